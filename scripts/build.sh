@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Configures (Ninja + ccache) and builds. Usage: scripts/build.sh [ninja targets...]
+#   VLM_BUILD_DIR  build directory (default: build)
+#   VLM_JOBS       parallel jobs (default: nproc)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${VLM_BUILD_DIR:-$ROOT/build}"
+JOBS="${VLM_JOBS:-$(nproc)}"
+export CCACHE_DIR="${CCACHE_DIR:-${HOME:-/root}/.cache/ccache}"
+export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
+if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
+  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+fi
+cmake --build "$BUILD_DIR" -j "$JOBS" -- "$@"

