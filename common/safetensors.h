@@ -2,6 +2,18 @@
 // model.safetensors.index.json. Every header is validated before any tensor is
 // handed out; tensors are zero-copy, read-only views of the mapping.
 //
+// Validation (every error names the file, and the tensor where there is one):
+// header length <= 100'000'000 and within the file; the header is one JSON
+// object without duplicate keys; each entry has a string dtype this format
+// knows, a shape of non-negative integers and data_offsets [begin, end] with
+// begin <= end inside the data section, end - begin == numel x dtype size; no
+// two tensors share a byte; `__metadata__` maps strings to strings. Gaps
+// between tensors and trailing bytes after the last one are accepted.
+// Sharded checkpoints: the index is a JSON object with a `weight_map` object
+// (tensor -> shard file name, no directories); every shard it names must exist
+// and hold exactly the tensors the index maps to it: a shard tensor the index
+// does not map to that shard is an error (catches stale or mixed shards).
+//
 // Thread-safety: a SafetensorsCheckpoint is immutable after Open and may be
 // shared by threads. Tensors returned by Tensor() keep the mapping alive.
 #pragma once
@@ -10,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -48,21 +61,28 @@ class MappedFile;
 class SafetensorsCheckpoint {
  public:
   // Opens a model directory (model.safetensors.index.json if present, else
-  // model.safetensors) or a single .safetensors file path.
+  // model.safetensors), an index .json file, or a single .safetensors file.
+  // NOT_FOUND for missing files, INVALID_ARGUMENT for malformed ones.
   static absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> Open(const std::string& path);
   ~SafetensorsCheckpoint();
 
   bool Has(const std::string& name) const;
   // Header facts of one tensor; NOT_FOUND naming the tensor if absent.
   absl::StatusOr<const TensorInfo*> Info(const std::string& name) const;
-  // A zero-copy at::Tensor over the mapping (read-only: never write in place).
-  // Only float dtypes and integer dtypes LibTorch knows are supported.
+  // A zero-copy at::Tensor over the mapping (read-only: never write in place;
+  // the pages are PROT_READ and a write faults). The tensor keeps the mapping
+  // alive. Only dtypes LibTorch knows are supported (not U16/U32/U64). A tensor
+  // whose bytes are not aligned to its element size is returned as a copy.
   absl::StatusOr<at::Tensor> Tensor(const std::string& name) const;
   // The tensor's raw bytes in the mapping.
   absl::StatusOr<absl::Span<const uint8_t>> Bytes(const std::string& name) const;
 
-  // Page management for lazy loading: WILLNEED prefetch / touch every page /
-  // DONTNEED drop. Applied to the whole pages the tensor covers.
+  // Page management for lazy loading, applied to the whole pages the tensor
+  // covers (so neighbours sharing a boundary page are affected too):
+  // Prefetch = madvise(WILLNEED), asynchronous read-ahead; Touch = read one
+  // byte per page so every page is mapped on return; Evict = madvise(DONTNEED):
+  // the pages leave this process's RSS (they stay in the page cache and fault
+  // back in on the next access).
   absl::Status Prefetch(const std::string& name) const;
   absl::Status Touch(const std::string& name) const;
   absl::Status Evict(const std::string& name) const;
@@ -85,10 +105,15 @@ class SafetensorsCheckpoint {
 };
 
 // Writes safetensors files for tools and tests (header + data, 8-byte aligned
-// header padding as the reference library does).
+// header padding as the reference library does). Within a file, tensors are
+// laid out by decreasing element size (then insertion order) so every tensor is
+// aligned to its element size. Files are written to "<path>.tmp.<pid>" and
+// renamed into place; lazy tensors are filled straight into the output file's
+// pages, so a checkpoint never sits in memory. Not thread-safe.
 class SafetensorsWriter {
  public:
-  // Adds a tensor by raw little-endian bytes; bytes.size() must match shape x dtype.
+  // Adds a tensor by raw little-endian bytes; bytes.size() must match shape x
+  // dtype. Names must be unique and not "__metadata__".
   absl::Status Add(const std::string& name, StDType dtype, std::vector<int64_t> shape,
                    std::string bytes);
   absl::Status Add(const std::string& name, const at::Tensor& tensor);  // contiguous copy
@@ -100,8 +125,10 @@ class SafetensorsWriter {
   // Writes one file with every added tensor.
   absl::Status Write(const std::string& path) const;
   // Writes `num_shards` files model-0000k-of-0000N.safetensors + the index into
-  // dir (tensors split in insertion order by size). num_shards == 1 writes
-  // model.safetensors and no index.
+  // dir (created if missing; tensors split in insertion order into runs of
+  // about total/N bytes, each shard non-empty). The index (written last) holds
+  // metadata.total_size (sum of tensor bytes) and weight_map. num_shards == 1
+  // writes model.safetensors and no index (an existing index is left alone).
   absl::Status WriteSharded(const std::string& dir, int num_shards) const;
   uint64_t total_bytes() const;
 
@@ -115,6 +142,7 @@ class SafetensorsWriter {
     uint64_t nbytes = 0;
   };
   std::vector<Entry> entries_;
+  std::set<std::string> names_;
   std::map<std::string, std::string> metadata_;
 };
 
