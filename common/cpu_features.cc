@@ -1,0 +1,103 @@
+#include "common/cpu_features.h"
+
+#include <dlfcn.h>
+
+#include <strings.h>
+
+#include <cstring>
+
+namespace vlm {
+namespace {
+
+CpuFeatures Detect() {
+  CpuFeatures f;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.avx512f = __builtin_cpu_supports("avx512f");
+  f.avx512bw = __builtin_cpu_supports("avx512bw");
+  f.avx512vl = __builtin_cpu_supports("avx512vl");
+  f.avx512dq = __builtin_cpu_supports("avx512dq");
+  f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+#if defined(__GNUC__) && __GNUC__ >= 12
+  f.amx_bf16 = __builtin_cpu_supports("amx-bf16");
+#endif
+#endif
+  return f;
+}
+
+}  // namespace
+
+std::string CpuFeatures::Describe() const {
+  std::string s;
+  auto add = [&s](bool on, const char* name) {
+    if (!on) return;
+    if (!s.empty()) s += ' ';
+    s += name;
+  };
+  add(avx2, "avx2");
+  add(avx512f, "avx512f");
+  add(avx512bw, "avx512bw");
+  add(avx512vl, "avx512vl");
+  add(avx512dq, "avx512dq");
+  add(avx512bf16, "avx512bf16");
+  add(amx_bf16, "amx-bf16");
+  if (s.empty()) s = "(no avx2/avx512)";
+  s += fast_bf16_matmul() ? " -> bf16 matmul: oneDNN AVX-512" : " -> bf16 matmul: slow, use float32";
+  return s;
+}
+
+const CpuFeatures& GetCpuFeatures() {
+  static const CpuFeatures features = Detect();
+  return features;
+}
+
+ComputeDType ChooseComputeDType(ComputeDType requested, std::string* warning) {
+  if (requested == ComputeDType::kBFloat16 && !GetCpuFeatures().fast_bf16_matmul()) {
+    if (warning) {
+      *warning = "bfloat16 compute requested but this CPU lacks AVX-512 (BW/VL/DQ) [" +
+                 GetCpuFeatures().Describe() + "]; computing in float32";
+    }
+    return ComputeDType::kFloat32;
+  }
+  return requested;
+}
+
+const char* ComputeDTypeName(ComputeDType dtype) {
+  return dtype == ComputeDType::kBFloat16 ? "bfloat16" : "float32";
+}
+
+std::string OpenBlasCoreName() {
+  using CoreNameFn = char* (*)();
+  auto fn = reinterpret_cast<CoreNameFn>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  if (fn == nullptr) return "";
+  const char* name = fn();
+  return name ? name : "";
+}
+
+const char* SuggestedOpenBlasCoreType() {
+  const CpuFeatures& f = GetCpuFeatures();
+  if (f.fast_bf16_matmul()) return "SkylakeX";
+  if (f.avx2) return "Haswell";
+  return "";
+}
+
+std::string OpenBlasWarning() {
+  const std::string core = OpenBlasCoreName();
+  const std::string suggested = SuggestedOpenBlasCoreType();
+  if (core.empty() || suggested.empty()) return "";
+  // Kernel families that do not use AVX2 at all.
+  static const char* const kOld[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem",
+                                     "Sandybridge", "Atom", "Katmai", "Coppermine",
+                                     "Northwood", "Banias"};
+  for (const char* old : kOld) {
+    if (strcasecmp(core.c_str(), old) == 0) {
+      return "OpenBLAS uses " + core + " kernels on a CPU that runs " + suggested +
+             " ones (f32 matmuls several times slower); start the process with "
+             "OPENBLAS_CORETYPE=" + suggested;
+    }
+  }
+  return "";
+}
+
+}  // namespace vlm
