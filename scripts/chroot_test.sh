@@ -15,6 +15,12 @@ if [[ "${KEEP:-0}" != 1 || ! -x "$CHROOT_DIR/bin/bash" ]]; then
   debootstrap --variant=minbase bookworm "$CHROOT_DIR" "$MIRROR"
 fi
 cp /etc/resolv.conf "$CHROOT_DIR/etc/resolv.conf"
+# The workplace reaches registries through a TLS-intercepting egress proxy whose
+# CA every machine here trusts (/usr/local/share/ca-certificates, and
+# NODE_EXTRA_CA_CERTS in the environment). Give the chroot the same trust; the
+# ca-certificates package that setup.sh installs folds these into its bundle.
+mkdir -p "$CHROOT_DIR/usr/local/share/ca-certificates"
+cp /usr/local/share/ca-certificates/*.crt "$CHROOT_DIR/usr/local/share/ca-certificates/" 2>/dev/null || true
 # No init system in a chroot: package scripts must not start daemons.
 printf '#!/bin/sh\nexit 101\n' > "$CHROOT_DIR/usr/sbin/policy-rc.d"
 chmod +x "$CHROOT_DIR/usr/sbin/policy-rc.d"
@@ -31,4 +37,4 @@ mount --bind /dev/pts "$CHROOT_DIR/dev/pts"
 rm -rf "$CHROOT_DIR/root/vlm"
 git clone -q "$ROOT" "$CHROOT_DIR/root/vlm"
 chroot "$CHROOT_DIR" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  TERM=dumb LANG=C.UTF-8 /bin/bash -c 'cd /root/vlm && bash scripts/test.sh'
+  TERM=dumb LANG=C.UTF-8 ${NODE_EXTRA_CA_CERTS:+NODE_EXTRA_CA_CERTS=$NODE_EXTRA_CA_CERTS} /bin/bash -c 'cd /root/vlm && bash scripts/test.sh'

