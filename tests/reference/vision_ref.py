@@ -9,7 +9,10 @@ the merger) and deepstack.<j> = output of block deepstack_visual_indexes[j].
 Usage:
   vision_ref.py --checkpoint DIR --out-dir DIR            # the built-in synthetic cases
   vision_ref.py --checkpoint DIR --pixels FILE --out FILE  # pixel_values + grid_thw from a
-                                                           # preprocessing golden file
+                                                           # safetensors file
+  vision_ref.py --checkpoint DIR --preprocess-goldens DIR --out-dir DIR
+      # every accepted image of preprocess_ref.py's goldens.json (up to --max-patches
+      # each), batched into one call: vision_images.safetensors
   add --with-projector to also write the projector outputs (projector_ref.py).
 """
 import argparse
@@ -189,7 +192,27 @@ def make_golden(weights, vcfg, pixel_values, grids, out_path, with_projector, na
         for j, e in enumerate(ds_embeds):
             tensors["deepstack_embeds.%d" % j] = e
     st.write_file(out_path, tensors, {"case": name, "producer": "tests/reference/vision_ref.py"})
-    print("%s: %d patches, %d image(s) -> %s" % (name, pixel_values.shape[0], len(grids), out_path))
+    label = name if len(name) < 40 else name[:37] + "..."
+    print("%s: %d patches, %d image(s) -> %s" % (label, pixel_values.shape[0], len(grids), out_path))
+
+
+def preprocessed_images(golden_dir, max_patches):
+    """(names, pixel_values, grids) of the accepted images of preprocess_ref.py's output."""
+    with open(os.path.join(golden_dir, "goldens.json")) as f:
+        records = json.load(f)["images"]
+    names, pixels, grids = [], [], []
+    for rec in records:
+        if not rec.get("ok"):
+            continue
+        pv = rec["pixel_values"]
+        if pv["rows"] > max_patches:
+            continue
+        raw = open(os.path.join(golden_dir, pv["file"]), "rb").read()
+        t = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(pv["rows"], pv["cols"])
+        names.append(os.path.basename(rec["file"]))
+        pixels.append(t)
+        grids.append(tuple(int(v) for v in rec["grid_thw"]))
+    return names, torch.cat(pixels), grids
 
 
 def main():
@@ -199,6 +222,9 @@ def main():
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated built-in cases")
     ap.add_argument("--pixels", help="safetensors with pixel_values and grid_thw (or image_grid_thw)")
     ap.add_argument("--out", help="output file for --pixels")
+    ap.add_argument("--preprocess-goldens", help="preprocess_ref.py output directory")
+    ap.add_argument("--max-patches", type=int, default=4096,
+                    help="skip preprocessed images with more patches than this")
     ap.add_argument("--with-projector", action="store_true",
                     help="also write image_embeds and deepstack_embeds.<j> (projector_ref.py)")
     args = ap.parse_args()
@@ -219,6 +245,14 @@ def main():
     if not args.out_dir:
         ap.error("give --out-dir (built-in cases) or --pixels/--out")
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.preprocess_goldens:
+        names, pixels, grids = preprocessed_images(args.preprocess_goldens, args.max_patches)
+        if not names:
+            sys.exit("no accepted images in " + args.preprocess_goldens)
+        make_golden(weights, vcfg, pixels, grids,
+                    os.path.join(args.out_dir, "vision_images.safetensors"),
+                    args.with_projector, "images:" + ",".join(names))
+        return
     for name in args.cases.split(","):
         seed, grids = CASES[name]
         pixels = synthetic_pixels(seed, grids, patch_dim)

@@ -272,6 +272,36 @@ TEST_F(VisionModelTest, LoadRejectsConfigThatDisagreesWithWeights) {
       << model.status();
 }
 
+// Real images through the reference preprocessing (preprocess_ref.py), all
+// in one batch: many segments of many shapes.
+TEST_F(VisionModelTest, PreprocessedImagesMatchReference) {
+  const std::string dir = EnvOr("VLM_VISION_GOLDENS_IMAGES", "");
+  if (dir.empty()) GTEST_SKIP() << "VLM_VISION_GOLDENS_IMAGES not set (ctest vision_model_images_test)";
+  const size_t taps = config_->vision.deepstack_visual_indexes.size();
+  Golden g = ReadGolden(dir + "/vision_images.safetensors", taps);
+  ASSERT_TRUE(g.pixel_values.defined());
+  ASSERT_GE(g.grids.size(), 10u);
+  for (ComputeDType dtype : {ComputeDType::kFloat32, ComputeDType::kBFloat16}) {
+    auto model = LoadModel(dtype);
+    ASSERT_NE(model, nullptr);
+    auto out = model->Forward(g.pixel_values, g.grids);
+    ASSERT_TRUE(out.ok()) << out.status();
+    std::printf("%s %zu images, %ld patches: rel diff %.2e, min row cosine %.6f\n",
+                ComputeDTypeName(model->compute_dtype()), g.grids.size(),
+                long(g.last_hidden.size(0)), RelDiff(out->last_hidden, g.last_hidden),
+                MinRowCosine(out->last_hidden, g.last_hidden));
+    if (model->compute_dtype() == ComputeDType::kFloat32) {
+      EXPECT_LT(RelDiff(out->last_hidden, g.last_hidden), 1e-4);
+      for (size_t j = 0; j < taps; ++j) EXPECT_LT(RelDiff(out->deepstack[j], g.deepstack[j]), 1e-4);
+    } else {
+      EXPECT_GE(MinRowCosine(out->last_hidden, g.last_hidden), 0.999);
+      for (size_t j = 0; j < taps; ++j) {
+        EXPECT_GE(MinRowCosine(out->deepstack[j], g.deepstack[j]), 0.999);
+      }
+    }
+  }
+}
+
 // The 4x4-table variant: every test grid up-samples the position table.
 TEST(VisionModelPe16Test, Float32UpsampledTableMatchesReference) {
   const std::string dir = EnvOr("VLM_TINY_PE16_CHECKPOINT", "");
