@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 
@@ -11,6 +10,12 @@ namespace vlm::language {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// exp(d) for d below this is under float's normal range (1.2e-38). Such terms
+// are taken as 0: they cannot matter next to the maximum's exp(0) = 1, and
+// computing them as denormals costs ~10x per element.
+constexpr float kExpFloor = -87.0f;
+
+inline float ExpOrZero(float d) { return d > kExpFloor ? std::exp(d) : 0.0f; }
 
 absl::Status OutOfRange(const std::string& prefix, const char* field, const char* range,
                         double value) {
@@ -94,11 +99,28 @@ void ApplyTemperature(absl::Span<float> logits, float temperature) {
   for (float& v : logits) v /= temperature;
 }
 
+float KthLargest(absl::Span<const float> values, int32_t k) {
+  if (k <= 1024) {
+    // One pass with a min-heap of the k largest seen so far.
+    std::vector<float> heap(values.begin(), values.begin() + k);
+    std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+    for (size_t i = k; i < values.size(); ++i) {
+      if (values[i] > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+        heap.back() = values[i];
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      }
+    }
+    return heap.front();
+  }
+  std::vector<float> copy(values.begin(), values.end());
+  std::nth_element(copy.begin(), copy.begin() + (k - 1), copy.end(), std::greater<float>());
+  return copy[k - 1];
+}
+
 void ApplyTopK(absl::Span<float> logits, int32_t k) {
   if (k <= 0 || static_cast<size_t>(k) >= logits.size()) return;
-  std::vector<float> values(logits.begin(), logits.end());
-  std::nth_element(values.begin(), values.begin() + (k - 1), values.end(), std::greater<float>());
-  const float kth = values[k - 1];
+  const float kth = KthLargest(logits, k);
   for (float& v : logits) {
     if (v < kth) v = kNegInf;
   }
@@ -116,7 +138,7 @@ void ApplyTopP(absl::Span<float> logits, float top_p) {
   for (size_t i = 0; i < logits.size(); ++i) {
     if (logits[i] == kNegInf) continue;
     order.push_back(static_cast<int32_t>(i));
-    total += std::exp(static_cast<double>(logits[i] - max));
+    total += ExpOrZero(logits[i] - max);
   }
   auto by_logit = [&](int32_t a, int32_t b) {
     return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
@@ -136,7 +158,7 @@ void ApplyTopP(absl::Span<float> logits, float top_p) {
         found = true;
         break;
       }
-      before += std::exp(static_cast<double>(logits[order[i]] - max)) / total;
+      before += ExpOrZero(logits[order[i]] - max) / total;
     }
     sorted = m;
     if (found || m == order.size()) break;
@@ -148,9 +170,10 @@ void ApplyMinP(absl::Span<float> logits, float min_p) {
   if (min_p <= 0.0f) return;
   const float max = MaxFinite(logits);
   if (max == kNegInf) return;
-  // p_i < min_p * p_max  <=>  exp(l_i - l_max) < min_p.
+  // p_i < min_p * p_max  <=>  exp(l_i - l_max) < min_p  <=>  l_i < l_max + log(min_p).
+  const double threshold = static_cast<double>(max) + std::log(static_cast<double>(min_p));
   for (float& v : logits) {
-    if (v != kNegInf && std::exp(static_cast<double>(v - max)) < min_p) v = kNegInf;
+    if (static_cast<double>(v) < threshold) v = kNegInf;
   }
 }
 
@@ -162,7 +185,7 @@ void Softmax(absl::Span<const float> logits, absl::Span<float> out) {
   }
   double sum = 0.0;
   for (size_t i = 0; i < logits.size(); ++i) {
-    out[i] = std::exp(logits[i] - max);
+    out[i] = ExpOrZero(logits[i] - max);
     sum += out[i];
   }
   const float inv = static_cast<float>(1.0 / sum);
@@ -176,7 +199,7 @@ void LogSoftmax(absl::Span<const float> logits, absl::Span<float> out) {
     return;
   }
   double sum = 0.0;
-  for (float v : logits) sum += std::exp(static_cast<double>(v - max));
+  for (float v : logits) sum += ExpOrZero(v - max);
   const float log_sum = static_cast<float>(std::log(sum));
   for (size_t i = 0; i < logits.size(); ++i) out[i] = (logits[i] - max) - log_sum;
 }
@@ -247,13 +270,27 @@ int32_t Sampler::Sample(absl::Span<const float> logits, TokenLogprobs* logprobs,
   if (config_.temperature == 0.0f) {
     id = ArgMax(row);
   } else {
-    ApplyTemperature(row, config_.temperature);
-    ApplyTopK(row, config_.top_k);
-    ApplyTopP(row, config_.top_p);
-    ApplyMinP(row, config_.min_p);
-    scratch_.resize(row.size());
-    Softmax(row, absl::MakeSpan(scratch_));
-    id = DrawFromDistribution(scratch_, NextUniform());
+    // The truncations only ever keep ids that survive top-k, so run the rest
+    // on those candidates (in id order, so the draw matches a full-row pass).
+    const int32_t k = config_.top_k;
+    const bool truncate = k > 0 && static_cast<size_t>(k) < row.size();
+    const float kth = truncate ? KthLargest(row, k) : kNegInf;
+    candidate_ids_.clear();
+    candidates_.clear();
+    for (size_t i = 0; i < row.size(); ++i) {
+      if (row[i] != kNegInf && row[i] >= kth) {
+        candidate_ids_.push_back(static_cast<int32_t>(i));
+        candidates_.push_back(row[i]);
+      }
+    }
+    absl::Span<float> c(candidates_);
+    ApplyTemperature(c, config_.temperature);
+    ApplyTopP(c, config_.top_p);
+    ApplyMinP(c, config_.min_p);
+    scratch_.resize(c.size());
+    Softmax(c, absl::MakeSpan(scratch_));
+    const int32_t index = DrawFromDistribution(scratch_, NextUniform());
+    id = index < 0 ? -1 : candidate_ids_[index];
   }
   if (id < 0) id = 0;  // every logit was -inf or NaN: nothing sensible to pick
 
@@ -263,12 +300,24 @@ int32_t Sampler::Sample(absl::Span<const float> logits, TokenLogprobs* logprobs,
     logprobs->top.clear();
     const int n = std::clamp(top_logprobs, 0, static_cast<int>(log_probs.size()));
     if (n > 0) {
-      std::vector<int32_t> order(log_probs.size());
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
+      // Min-heap (worst on top) of the n best (logprob desc, id asc).
+      auto better = [&](int32_t a, int32_t b) {
         return log_probs[a] > log_probs[b] || (log_probs[a] == log_probs[b] && a < b);
-      });
-      for (int i = 0; i < n; ++i) logprobs->top.emplace_back(order[i], log_probs[order[i]]);
+      };
+      std::vector<int32_t> heap;
+      heap.reserve(n);
+      for (int32_t i = 0; i < static_cast<int32_t>(log_probs.size()); ++i) {
+        if (static_cast<int>(heap.size()) < n) {
+          heap.push_back(i);
+          std::push_heap(heap.begin(), heap.end(), better);
+        } else if (better(i, heap.front())) {
+          std::pop_heap(heap.begin(), heap.end(), better);
+          heap.back() = i;
+          std::push_heap(heap.begin(), heap.end(), better);
+        }
+      }
+      std::sort_heap(heap.begin(), heap.end(), better);
+      for (int32_t i : heap) logprobs->top.emplace_back(i, log_probs[i]);
     }
   }
   return id;

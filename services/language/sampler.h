@@ -65,6 +65,8 @@ void ApplyTemperature(absl::Span<float> logits, float temperature);  // temperat
 // Keeps the k largest (ties at the k-th value are all kept, as HF's
 // `logits < kth_value` test does).
 void ApplyTopK(absl::Span<float> logits, int32_t k);
+// The k-th largest value (1 <= k <= size).
+float KthLargest(absl::Span<const float> values, int32_t k);
 // Removes, in ascending order of probability, the ids whose cumulative
 // probability is <= 1 - top_p; the most probable id always stays.
 void ApplyTopP(absl::Span<float> logits, float top_p);
@@ -116,7 +118,9 @@ class Sampler {
   absl::flat_hash_set<int32_t> seen_set_;             // membership of seen_
   absl::flat_hash_map<int32_t, int32_t> generated_;   // completion id -> count
   std::vector<float> work_;                           // penalised logits
-  std::vector<float> scratch_;                        // probabilities / log-probs
+  std::vector<int32_t> candidate_ids_;                // ids surviving top-k, ascending
+  std::vector<float> candidates_;                     // their logits
+  std::vector<float> scratch_;                        // probabilities
 };
 
 }  // namespace vlm::language

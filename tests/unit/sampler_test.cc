@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <limits>
+#include <algorithm>
 #include <map>
+#include <random>
 #include <vector>
 
 namespace vlm::language {
@@ -317,6 +319,49 @@ TEST(SamplerTest, TruncationsApplyInOrderBeforeTheDraw) {
   std::map<int, int> loose_counts;
   for (int i = 0; i < 200; ++i) ++loose_counts[loose.Sample(logits)];
   EXPECT_EQ(loose_counts.size(), 2u);
+}
+
+TEST(SamplerTest, SamplerDrawsExactlyWhatTheFullRowPipelineDraws) {
+  // The Sampler runs the truncations on top-k candidates only; replaying the
+  // documented pipeline over the whole row with the same uniforms (the seed's
+  // mt19937_64, 53 bits) must give the same ids.
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(5000);
+  for (float& v : logits) v = normal(gen);
+  SamplingConfig c;
+  c.temperature = 0.8f;
+  c.top_k = 50;
+  c.top_p = 0.9f;
+  c.min_p = 0.05f;
+  c.repetition_penalty = 1.3f;
+  c.presence_penalty = 0.5f;
+  c.frequency_penalty = 0.25f;
+  c.seed = 77;
+  std::vector<int32_t> seen = {3, 17, 4000};
+  Sampler sampler(c, 4990, seen);
+  std::mt19937_64 rng(77);
+  absl::flat_hash_map<int32_t, int32_t> counts;
+  for (int step = 0; step < 200; ++step) {
+    std::vector<float> row = logits;
+    absl::Span<float> r(row);
+    MaskVocabularyPadding(r, 4990);
+    ApplyRepetitionPenalty(r, seen, c.repetition_penalty);
+    ApplyPresenceFrequencyPenalties(r, counts, c.presence_penalty, c.frequency_penalty);
+    ApplyTemperature(r, c.temperature);
+    ApplyTopK(r, c.top_k);
+    ApplyTopP(r, c.top_p);
+    ApplyMinP(r, c.min_p);
+    std::vector<float> probs(row.size());
+    Softmax(row, absl::MakeSpan(probs));
+    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    const int32_t expected = DrawFromDistribution(probs, u);
+    const int32_t got = sampler.Sample(logits);
+    ASSERT_EQ(got, expected) << "step " << step;
+    sampler.Accept(got);
+    if (std::find(seen.begin(), seen.end(), got) == seen.end()) seen.push_back(got);
+    ++counts[got];
+  }
 }
 
 TEST(SamplerTest, LogprobsAreTheLogSoftmaxOfThePenalisedLogits) {
