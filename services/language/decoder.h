@@ -1,0 +1,175 @@
+// The Qwen3 text decoder of Qwen3-VL (docs/qwen3-vl-model.md §5, §6):
+// embedding with the image splice, decoder layers (RMSNorm, q/k per-head
+// RMSNorm, interleaved MRoPE, grouped-query causal attention over a KV cache,
+// SwiGLU), deepstack injection after the first layers, final norm and the LM
+// head (tied to embed_tokens per the §2 rule).
+//
+// Weights: read-only views of the checkpoint mapping when stored in the
+// compute dtype (zero copy), else converted (per layer, when the layer is
+// materialized; embedding/head at Load). Layers are materialized lazily by a
+// LayerStore (see layer_store.h). Compute is bf16 by default (falls back to
+// f32 on CPUs without fast bf16 matmuls), f32 on request; norms, softmax and
+// rotary run in f32 as in the reference.
+//
+// Logits are float32 and cover the model's whole vocabulary (151936 for the
+// 2B): ids at or above the tokenizer's size (151669) are untrained padding and
+// NOT masked here; the sampler should mask them (spec §10.22).
+//
+// Thread-safety: Load'ed Decoder is immutable; Prefill/DecodeStep may run
+// concurrently on different Sequences (never on the same one).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/cpu_features.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "services/language/layer_store.h"
+#include "services/language/mrope.h"
+
+namespace vlm::language {
+
+struct DecoderOptions {
+  // bfloat16 falls back to float32 (with a warning in load_summary) on CPUs
+  // without fast bf16 matmuls.
+  ComputeDType compute_dtype = ComputeDType::kBFloat16;
+  // Prompt tokens per prefill pass (activation memory ~ chunk x intermediate);
+  // 0 = the whole prompt in one pass. Results do not depend on it beyond
+  // floating-point summation order.
+  int64_t prefill_chunk_tokens = 512;
+  // Queries per attention tile inside a prefill pass.
+  int64_t attention_query_tile = 512;
+  // Decode-step (one token) projections and the LM head through vlm::Gemv
+  // (bf16 compute only); false: at::linear.
+  bool use_gemv = true;
+  // Read embed_tokens' pages at Load (eager_load also does); otherwise they
+  // are only madvise(WILLNEED)-ed and fault in at the first request.
+  bool touch_embedding = false;
+  LayerStoreOptions layers;
+};
+
+// The KV cache and position state of one sequence (one request). Created by
+// Decoder::NewSequence with a fixed capacity; not thread-safe.
+class Sequence {
+ public:
+  int64_t length() const { return length_; }      // tokens in the cache
+  int64_t capacity() const { return capacity_; }  // most tokens it can hold
+  // The next token, at cache index length(), sits at length() + rope_delta()
+  // on all three MRoPE axes (spec §6.1 decode rule).
+  int64_t rope_delta() const { return rope_delta_; }
+  uint64_t kv_bytes() const;  // bytes preallocated for K and V
+  // Empties the cache (keeps the allocation) for reuse by another request.
+  void Reset() {
+    length_ = 0;
+    rope_delta_ = 0;
+  }
+
+ private:
+  friend class Decoder;
+  Sequence() = default;
+  int64_t length_ = 0;
+  int64_t capacity_ = 0;
+  int64_t rope_delta_ = 0;
+  // Per layer: [kv_heads, capacity, head_dim] in the compute dtype
+  // (head-major so a decode step reads each head's keys contiguously).
+  std::vector<at::Tensor> k_cache_, v_cache_;
+};
+
+struct PrefillInput {
+  // The prompt: S >= 1 token ids, image pads already expanded
+  // (ImageTokenCount per image).
+  absl::Span<const int32_t> token_ids;
+  // Projector outputs for the image pads in order of appearance: [P, hidden]
+  // with P = number of image_token_id in token_ids (undefined when P = 0),
+  // bfloat16 or float32 (cast to the compute dtype).
+  at::Tensor image_embeds;
+  // One [P, hidden] per deepstack level (config deepstack_visual_indexes
+  // count), added after decoder layer l to the image positions. Required
+  // when P > 0.
+  std::vector<at::Tensor> deepstack;
+  // MRoPE positions of the S tokens and the rope delta after them
+  // (GetRopeIndex). Required when P > 0; nullptr = text: the token at cache
+  // index s sits at s + rope_delta() of the sequence.
+  const RopeIndex* positions = nullptr;
+  // true: logits of every prompt position ([S, vocab]); false: of the last
+  // one only ([vocab]).
+  bool all_logits = false;
+};
+
+class Decoder {
+ public:
+  // Checks every decoder tensor (presence, shape, tied-head rule of spec §2),
+  // keeps the checkpoint (shared: the layer store reads it later) and
+  // touches only the final norm (and the embedding if asked). INVALID_ARGUMENT
+  // / NOT_FOUND name the tensor or config field.
+  static absl::StatusOr<std::unique_ptr<Decoder>> Load(
+      std::shared_ptr<const SafetensorsCheckpoint> checkpoint, const ModelConfig& config,
+      const DecoderOptions& options = {});
+  ~Decoder();
+
+  // A sequence holding up to `capacity` tokens (prompt + generated), 1 ..
+  // max_position_embeddings. The KV cache is allocated now (pages are only
+  // committed as they are written).
+  absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(int64_t capacity) const;
+
+  // Appends the prompt to `seq` (normally empty), chunked by
+  // prefill_chunk_tokens, and returns float32 logits of the last position
+  // ([vocab]) or of all positions ([S, vocab]). Sets seq.rope_delta() from
+  // input.positions. INVALID_ARGUMENT (naming the field) for: empty prompt,
+  // ids outside the vocabulary, video pads, more tokens than the sequence has
+  // room for, image embeddings / deepstack / positions not matching the
+  // prompt. On error the sequence is unchanged.
+  absl::StatusOr<at::Tensor> Prefill(Sequence& seq, const PrefillInput& input) const;
+
+  // Appends one token at cache index s = seq.length(), position
+  // s + seq.rope_delta(), and returns its float32 logits [vocab].
+  // OUT_OF_RANGE when the sequence is full.
+  absl::StatusOr<at::Tensor> DecodeStep(Sequence& seq, int32_t token_id) const;
+
+  const ModelConfig& config() const { return config_; }
+  ComputeDType compute_dtype() const { return compute_dtype_; }
+  int64_t vocab_size() const { return config_.text.vocab_size; }
+  int64_t max_context() const { return config_.text.max_position_embeddings; }
+  LayerStore& layers() const { return *layers_; }
+  bool tied_head() const { return tied_; }
+  bool using_gemv() const { return use_gemv_; }
+  // Bytes of the embedding, final norm and (untied) head in the compute dtype.
+  uint64_t embedding_bytes() const { return embedding_bytes_; }
+  // Weight bytes one decode step reads (all layers + norm + head).
+  uint64_t decode_weight_bytes() const;
+  // What Load decided (dtype, in place or converted, tie rule, gemv path).
+  const std::string& load_summary() const { return load_summary_; }
+
+ private:
+  struct Pass;
+  Decoder() = default;
+  // Runs S tokens (embedded: x [S, hidden]) through every layer, writing
+  // their K/V at cache indices seq.length_ .. + S - 1; returns [S, hidden].
+  at::Tensor RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) const;
+  at::Tensor Head(const at::Tensor& hidden) const;  // [R, hidden] -> [R, vocab] f32
+  at::Tensor Embed(absl::Span<const int32_t> ids) const;
+
+  ModelConfig config_;
+  ComputeDType compute_dtype_ = ComputeDType::kFloat32;
+  DecoderOptions options_;
+  std::shared_ptr<const SafetensorsCheckpoint> checkpoint_;
+  std::unique_ptr<LayerStore> layers_;
+  std::unique_ptr<MultimodalRotary> rotary_;
+  at::Tensor embed_tokens_;  // [vocab, hidden] compute dtype
+  at::Tensor lm_head_;       // [vocab, hidden]: embed_tokens_ itself when tied
+  at::Tensor final_norm_;    // [hidden]
+  bool tied_ = true;
+  bool use_gemv_ = false;
+  uint64_t embedding_bytes_ = 0;
+  std::string load_summary_;
+};
+
+}  // namespace vlm::language

@@ -1,0 +1,194 @@
+// Lazy, bounded residency of the decoder layers' weights (architecture.md,
+// "Loading and readiness").
+//
+// At Create only tensor headers are read. A layer is materialized on first
+// Acquire: its pages are touched when the stored dtype is the compute dtype
+// (the weights are read-only views of the mapping, zero copy), else its
+// tensors are converted into owned copies (and the stored pages released).
+// After each Acquire a background thread prefetches the next layers (cyclic:
+// after the last layer comes layer 0, the next token's first). With
+// `resident_layers` N > 0 at most N layers stay resident: the least recently
+// used unpinned layer is dropped (MADV_DONTNEED of its pages, or its converted
+// copies freed). Values never change with residency, only where they are read
+// from, so outputs are identical with and without a bound.
+//
+// Metrics: vlm_language_layers_resident, vlm_language_weight_bytes_resident
+// {part="layers"} (and "embedding"/"projector" set by their owners),
+// vlm_language_layer_materialization_seconds.
+//
+// Thread-safe. Handles pin a layer (it cannot be dropped while a handle
+// lives) and must not outlive the store.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+
+namespace prometheus {
+class Gauge;
+}
+
+namespace vlm::language {
+
+// ---------------------------------------------------------------------------
+// Checkpoint names
+// ---------------------------------------------------------------------------
+
+// "model.visual." or "visual." (whichever holds merger.linear_fc1.weight).
+absl::StatusOr<std::string> VisualPrefix(const SafetensorsCheckpoint& checkpoint);
+// "model.language_model.", "language_model." or the Qwen2-VL-era "model."
+// (whichever holds norm.weight), spec §2 "Prefix variants".
+absl::StatusOr<std::string> LanguagePrefix(const SafetensorsCheckpoint& checkpoint);
+
+// Looks a tensor up with its expected shape: NOT_FOUND / INVALID_ARGUMENT
+// naming it when absent, misshapen or not floating point. Header only.
+absl::StatusOr<const TensorInfo*> CheckTensor(const SafetensorsCheckpoint& checkpoint,
+                                              const std::string& name,
+                                              const std::vector<int64_t>& shape);
+// The tensor in `dtype`: a read-only view of the mapping when stored in it
+// (*borrowed = true; no page is touched), else a converted copy (the stored
+// pages are read, then released with MADV_DONTNEED).
+absl::StatusOr<at::Tensor> FetchTensor(const SafetensorsCheckpoint& checkpoint,
+                                       const std::string& name, at::ScalarType dtype,
+                                       bool* borrowed = nullptr);
+
+// vlm_language_weight_bytes_resident{part=...}: "layers", "embedding", "projector".
+prometheus::Gauge& WeightBytesResidentGauge(const std::string& part);
+
+// ---------------------------------------------------------------------------
+// Decoder layers
+// ---------------------------------------------------------------------------
+
+// One Qwen3 decoder layer (spec §2 names, [out, in] layouts).
+struct DecoderLayerWeights {
+  at::Tensor input_layernorm;           // [hidden]
+  at::Tensor q_proj;                    // [heads·head_dim, hidden]
+  at::Tensor k_proj;                    // [kv_heads·head_dim, hidden]
+  at::Tensor v_proj;                    // [kv_heads·head_dim, hidden]
+  at::Tensor o_proj;                    // [hidden, heads·head_dim]
+  at::Tensor q_norm;                    // [head_dim]
+  at::Tensor k_norm;                    // [head_dim]
+  at::Tensor post_attention_layernorm;  // [hidden]
+  at::Tensor gate_proj;                 // [intermediate, hidden]
+  at::Tensor up_proj;                   // [intermediate, hidden]
+  at::Tensor down_proj;                 // [hidden, intermediate]
+};
+
+struct LayerStoreOptions {
+  // Materialize every layer at Create (with a bound: the first N).
+  bool eager_load = false;
+  // Most layers resident at once; 0 = no bound. Pinned layers may exceed it
+  // briefly.
+  int resident_layers = 0;
+  // Layers the background thread prepares ahead of the one acquired; 0 turns
+  // the thread off.
+  int prefetch_layers = 1;
+};
+
+class LayerStore {
+ public:
+  // Pins one resident layer.
+  class Handle {
+   public:
+    Handle() = default;
+    Handle(Handle&& other) noexcept;
+    Handle& operator=(Handle&& other) noexcept;
+    Handle(const Handle&) = delete;
+    Handle& operator=(const Handle&) = delete;
+    ~Handle();
+    const DecoderLayerWeights& operator*() const { return *weights_; }
+    const DecoderLayerWeights* operator->() const { return weights_.get(); }
+    int layer() const { return layer_; }
+
+   private:
+    friend class LayerStore;
+    void Release();
+    LayerStore* store_ = nullptr;
+    int layer_ = -1;
+    std::shared_ptr<const DecoderLayerWeights> weights_;
+  };
+
+  // Checks every layer tensor's presence and shape (`prefix` from
+  // LanguagePrefix); touches no weight page unless options.eager_load.
+  static absl::StatusOr<std::unique_ptr<LayerStore>> Create(
+      std::shared_ptr<const SafetensorsCheckpoint> checkpoint, const TextConfig& config,
+      const std::string& prefix, at::ScalarType compute_dtype, const LayerStoreOptions& options);
+  ~LayerStore();  // stops the prefetch thread; no Handle may be alive
+
+  // The layer's weights, materialized on first use (in the calling thread, or
+  // waiting for the prefetch thread if it is already on it); schedules the
+  // prefetch of the following layers.
+  absl::StatusOr<Handle> Acquire(int layer);
+
+  int num_layers() const { return static_cast<int>(slots_.size()); }
+  bool in_place() const { return in_place_; }  // weights are views of the mapping
+  at::ScalarType compute_dtype() const { return dtype_; }
+  const LayerStoreOptions& options() const { return options_; }
+  uint64_t layer_bytes(int layer) const;  // bytes in the compute dtype
+  uint64_t total_bytes() const;           // all layers
+
+  // Snapshot counters (tests, logs).
+  bool IsResident(int layer) const;
+  int resident_layers() const;
+  uint64_t resident_bytes() const;
+  int64_t materializations() const;  // layer loads since Create
+  int64_t evictions() const;         // layers dropped by the bound
+
+ private:
+  enum class State { kCold, kLoading, kResident };
+  struct Slot {
+    State state = State::kCold;
+    int pins = 0;
+    uint64_t last_use = 0;
+    bool queued = false;  // waiting in the prefetch queue
+    std::vector<std::string> names;  // checkpoint tensors of the layer, field order
+    uint64_t bytes = 0;              // in the compute dtype
+    std::shared_ptr<const DecoderLayerWeights> views;    // in place: set at Create
+    std::shared_ptr<const DecoderLayerWeights> weights;  // while resident
+  };
+
+  LayerStore() = default;
+  // Reads the layer's pages or converts it; no lock held.
+  absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> Materialize(int layer) const;
+  // Marks a loaded layer resident and updates metrics; lock held.
+  void MarkResident(int layer, std::shared_ptr<const DecoderLayerWeights> weights, double seconds);
+  void Drop(int layer);  // lock held; the slot is resident and unpinned
+  void EnforceBound();   // lock held
+  bool HasEvictableLayer() const;  // lock held
+  void Unpin(int layer);
+  void SchedulePrefetch(int after);  // lock held
+  void PrefetchLoop();
+
+  std::shared_ptr<const SafetensorsCheckpoint> checkpoint_;
+  at::ScalarType dtype_;
+  bool in_place_ = true;
+  LayerStoreOptions options_;
+  prometheus::Gauge* layers_gauge_ = nullptr;
+  prometheus::Gauge* bytes_gauge_ = nullptr;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Slot> slots_;
+  uint64_t tick_ = 0;
+  int resident_count_ = 0;
+  uint64_t resident_bytes_ = 0;
+  int64_t materializations_ = 0;
+  int64_t evictions_ = 0;
+  std::deque<int> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace vlm::language
