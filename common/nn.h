@@ -3,7 +3,8 @@
 // function computes exactly what the HF reference computes (see
 // docs/qwen3-vl-model.md §4-§6); where the reference rounds to the compute
 // dtype in between, so do these. Stateless and thread-safe; inputs are never
-// modified (weights may be read-only mmap views).
+// modified (weights may be read-only mmap views). Bad shapes throw c10::Error,
+// which model code turns into an absl::Status at its boundary.
 #pragma once
 
 #include <cstdint>
