@@ -1,0 +1,429 @@
+// vlm-bench-language: the language service as a client sees it (issue 5,
+// "Benchmark"). Starts the real vlm-language on loopback, once per
+// configuration, and prints a table of medians:
+//
+//   process start -> health SERVING, RSS at SERVING and after the first request,
+//   time to first token for 1 image (448x448: pre-projector features, random
+//   bf16 [784, 1024] x (1 + deepstack), grid (1, 28, 28)) + a 20-word prompt,
+//   prefill tokens/s at 512 prompt tokens, decode tokens/s, and decode time per
+//   token against the memory-bandwidth bound: weight bytes one decode step
+//   reads (decoder layers + final norm + LM head, from the checkpoint headers)
+//   divided by a read bandwidth measured by this process in the same run.
+//
+//   vlm-bench-language --model_dir /work/cache/ckpt-2b
+//       [--configs ",--resident_layers=8"] [--threads 2] [--runs 3]
+//
+// Each entry of --configs (separated by ';') is extra vlm-language flags
+// (comma-separated); the empty entry is the default configuration.
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "services/language/gemv.h"
+#include "vlm/v1/language.grpc.pb.h"
+
+ABSL_FLAG(std::string, model_dir, "/work/cache/ckpt-2b", "checkpoint directory");
+ABSL_FLAG(std::string, server, "", "vlm-language binary (default: beside this one)");
+ABSL_FLAG(std::string, configs, ";--resident_layers=8",
+          "';'-separated configurations, each a ','-separated list of extra server flags");
+ABSL_FLAG(int, threads, 2, "server intra-op threads (and bandwidth-measurement threads)");
+ABSL_FLAG(int, runs, 3, "repetitions of each measurement (the median is printed)");
+ABSL_FLAG(int, starts, 3, "process starts per configuration for start->SERVING and RSS");
+ABSL_FLAG(int, prefill_tokens, 512, "prompt length of the prefill measurement");
+ABSL_FLAG(int, decode_tokens, 64, "generated tokens of the decode measurement");
+ABSL_FLAG(int64_t, bandwidth_mib, 1024, "buffer of the read-bandwidth measurement");
+
+extern char** environ;
+
+namespace {
+
+using vlm::v1::GenerateRequest;
+using vlm::v1::GenerateResponse;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// VmRSS of `pid` in MiB.
+double RssMib(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return -1;
+}
+
+class Server {
+ public:
+  Server(const std::string& binary, std::vector<std::string> flags) {
+    std::vector<std::string> args = {binary};
+    args.insert(args.end(), flags.begin(), flags.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    int out[2];
+    if (pipe2(out, O_CLOEXEC) != 0) return;
+    const int devnull = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    started_ = Clock::now();
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      dup2(out[1], STDOUT_FILENO);
+      dup2(devnull, STDERR_FILENO);
+      execve(argv[0], argv.data(), environ);
+      _exit(127);
+    }
+    close(out[1]);
+    close(devnull);
+    fd_ = out[0];
+  }
+  ~Server() {
+    if (pid_ > 0) {
+      kill(pid_, SIGTERM);
+      int status;
+      for (int i = 0; i < 100 && waitpid(pid_, &status, WNOHANG) == 0; ++i) {
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (fd_ >= 0) close(fd_);
+  }
+
+  // Waits for the listening line, then for health SERVING; returns the
+  // seconds from fork to SERVING (negative on failure).
+  double WaitServing(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    std::string buffer;
+    static const std::regex kLine(R"(vlm: listening grpc=(\S+) )");
+    std::smatch m;
+    while (!std::regex_search(buffer, m, kLine)) {
+      if (absl::Now() > deadline) return -1;
+      pollfd pfd{fd_, POLLIN, 0};
+      if (poll(&pfd, 1, 5) <= 0) continue;
+      char chunk[512];
+      const ssize_t n = read(fd_, chunk, sizeof(chunk));
+      if (n <= 0) return -1;
+      buffer.append(chunk, static_cast<size_t>(n));
+    }
+    target_ = m[1];
+    channel_ = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+    auto health = grpc::health::v1::Health::NewStub(channel_);
+    while (absl::Now() < deadline) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      grpc::health::v1::HealthCheckRequest request;
+      request.set_service("vlm.v1.Language");
+      grpc::health::v1::HealthCheckResponse response;
+      if (health->Check(&ctx, request, &response).ok() &&
+          response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        return Seconds(started_, Clock::now());
+      }
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return -1;
+  }
+
+  pid_t pid() const { return pid_; }
+  std::unique_ptr<vlm::v1::Language::Stub> Stub() { return vlm::v1::Language::NewStub(channel_); }
+
+ private:
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  Clock::time_point started_;
+  std::string target_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+struct Outcome {
+  bool ok = false;
+  std::string error;
+  double client_first_s = 0;  // send -> first streamed message
+  GenerateResponse last;
+  int tokens = 0;
+};
+
+Outcome Run(vlm::v1::Language::Stub& stub, const GenerateRequest& request) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+  Outcome out;
+  const Clock::time_point sent = Clock::now();
+  auto reader = stub.Generate(&ctx, request);
+  GenerateResponse response;
+  bool first = true;
+  while (reader->Read(&response)) {
+    if (first) out.client_first_s = Seconds(sent, Clock::now());
+    first = false;
+    out.tokens += response.token_ids_size();
+    out.last = response;
+  }
+  grpc::Status status = reader->Finish();
+  out.ok = status.ok();
+  out.error = status.error_message();
+  return out;
+}
+
+GenerateRequest Request(const std::string& text, int max_tokens) {
+  GenerateRequest r;
+  r.set_add_generation_prompt(true);
+  auto* m = r.add_messages();
+  m->set_role("user");
+  m->add_content()->set_text(text);
+  r.mutable_params()->set_max_tokens(max_tokens);
+  r.mutable_params()->set_ignore_eos(true);
+  r.mutable_params()->mutable_sampling()->set_temperature(0.0f);
+  return r;
+}
+
+void RandomBf16(vlm::v1::Tensor* t, int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  t->set_dtype(vlm::v1::DTYPE_BF16);
+  t->add_shape(rows);
+  t->add_shape(cols);
+  std::string data(static_cast<size_t>(rows * cols) * 2, '\0');
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const float v = normal(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    const uint16_t b = static_cast<uint16_t>(bits >> 16);
+    std::memcpy(&data[static_cast<size_t>(i) * 2], &b, 2);
+  }
+  t->set_data(std::move(data));
+}
+
+// 1 image of 448x448 (grid 1x28x28) + a 20-word question.
+GenerateRequest ImageRequest(const vlm::ModelConfig& config, uint32_t seed) {
+  GenerateRequest r = Request(
+      "Describe this picture in detail: the colors, the shapes, the people, the objects, the "
+      "text and the mood.",
+      1);
+  auto* image = r.mutable_messages(0)->add_content()->mutable_image();
+  image->mutable_grid()->set_t(1);
+  image->mutable_grid()->set_h(28);
+  image->mutable_grid()->set_w(28);
+  const int64_t hidden = config.vision.hidden_size;
+  RandomBf16(image->mutable_last_hidden(), 784, hidden, seed);
+  for (size_t k = 0; k < config.vision.deepstack_visual_indexes.size(); ++k) {
+    RandomBf16(image->add_deepstack(), 784, hidden, seed + 1 + static_cast<uint32_t>(k));
+  }
+  return r;
+}
+
+// A text prompt of exactly `tokens` tokens (via CountTokens).
+GenerateRequest PromptOfTokens(vlm::v1::Language::Stub& stub, int tokens, int max_tokens) {
+  auto count = [&](int words) {
+    std::string text = "Summarize:";
+    for (int i = 0; i < words; ++i) text += " word";
+    GenerateRequest r = Request(text, max_tokens);
+    grpc::ClientContext ctx;
+    vlm::v1::CountTokensResponse response;
+    stub.CountTokens(&ctx, r, &response);
+    return std::make_pair(r, response.usage().prompt_tokens());
+  };
+  const int base = count(0).second;
+  auto [request, n] = count(std::max(0, tokens - base));
+  if (n != tokens) std::fprintf(stderr, "note: prefill prompt has %d tokens\n", n);
+  return request;
+}
+
+// Bytes one decode step reads: decoder layers + final norm + LM head.
+uint64_t DecodeWeightBytes(const std::string& dir) {
+  auto checkpoint = vlm::SafetensorsCheckpoint::Open(dir);
+  if (!checkpoint.ok()) return 0;
+  uint64_t bytes = 0, embed = 0, head = 0;
+  for (const std::string& name : (*checkpoint)->Names()) {
+    auto info = (*checkpoint)->Info(name);
+    if (!info.ok()) continue;
+    if (name == "lm_head.weight") {
+      head = (*info)->nbytes();
+    } else if (absl::StrContains(name, "embed_tokens")) {
+      embed = (*info)->nbytes();
+    } else if (absl::StrContains(name, "language_model.") || name.rfind("model.layers.", 0) == 0 ||
+               name == "model.norm.weight") {
+      bytes += (*info)->nbytes();
+    }
+  }
+  return bytes + (head > 0 ? head : embed);
+}
+
+struct Column {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> rows;
+  void Add(const std::string& what, const std::string& value) { rows.emplace_back(what, value); }
+};
+
+Column Measure(const std::string& binary, const std::string& dir, const std::string& extra,
+               const vlm::ModelConfig& config, double bytes_per_token, double bandwidth) {
+  Column col;
+  col.name = extra.empty() ? "default (lazy)" : extra;
+  std::vector<std::string> flags = {
+      "--model_dir=" + dir,
+      "--grpc_address=127.0.0.1:0",
+      "--metrics_address=",
+      absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)),
+      "--max_context=4096",
+      "--log_level=warning"};
+  for (absl::string_view f : absl::StrSplit(extra, ',', absl::SkipEmpty())) {
+    flags.emplace_back(f);
+  }
+  const int runs = std::max(1, absl::GetFlag(FLAGS_runs));
+
+  std::vector<double> start_s, rss_serving;
+  std::unique_ptr<Server> server;
+  for (int i = 0; i < std::max(1, absl::GetFlag(FLAGS_starts)); ++i) {
+    server = std::make_unique<Server>(binary, flags);
+    const double s = server->WaitServing(absl::Minutes(5));
+    if (s < 0) {
+      col.Add("error", "server did not become SERVING");
+      return col;
+    }
+    start_s.push_back(s);
+    rss_serving.push_back(RssMib(server->pid()));
+  }
+  col.Add("start -> SERVING (s)", absl::StrFormat("%.3f", Median(start_s)));
+  col.Add("RSS at SERVING (MiB)", absl::StrFormat("%.0f", Median(rss_serving)));
+
+  auto stub = server->Stub();
+  std::vector<double> ttft_client, ttft_server, projector;
+  for (int i = 0; i <= runs; ++i) {
+    Outcome o = Run(*stub, ImageRequest(config, 100 + i));
+    if (!o.ok) {
+      col.Add("error", "image request: " + o.error);
+      return col;
+    }
+    if (i == 0) {
+      col.Add("RSS after 1st request (MiB)", absl::StrFormat("%.0f", RssMib(server->pid())));
+      col.Add("TTFT 1st request, cold layers (ms)",
+              absl::StrFormat("%.0f", o.client_first_s * 1000));
+      continue;
+    }
+    ttft_client.push_back(o.client_first_s * 1000);
+    ttft_server.push_back(o.last.timings().first_token_ms());
+    projector.push_back(o.last.timings().projector_ms());
+  }
+  col.Add("TTFT 1 image 448x448 + 20 words, client (ms)",
+          absl::StrFormat("%.0f", Median(ttft_client)));
+  col.Add("  of which projector (ms)", absl::StrFormat("%.0f", Median(projector)));
+  col.Add("  server first_token_ms", absl::StrFormat("%.0f", Median(ttft_server)));
+
+  const int prefill_tokens = absl::GetFlag(FLAGS_prefill_tokens);
+  GenerateRequest prefill = PromptOfTokens(*stub, prefill_tokens, 1);
+  std::vector<double> prefill_tps;
+  for (int i = 0; i < runs; ++i) {
+    Outcome o = Run(*stub, prefill);
+    if (!o.ok) break;
+    prefill_tps.push_back(o.last.usage().prompt_tokens() / (o.last.timings().prefill_ms() / 1000));
+  }
+  col.Add(absl::StrCat("prefill tokens/s at ", prefill_tokens),
+          absl::StrFormat("%.0f", Median(prefill_tps)));
+
+  const int decode_tokens = std::max(2, absl::GetFlag(FLAGS_decode_tokens));
+  std::vector<double> ms_per_token;
+  for (int i = 0; i < runs; ++i) {
+    Outcome o = Run(*stub, Request("Write a long story about a lighthouse.", decode_tokens));
+    if (!o.ok || o.tokens < 2) break;
+    ms_per_token.push_back(o.last.timings().decode_ms() / (o.tokens - 1));
+  }
+  const double ms = Median(ms_per_token);
+  const double bound_ms = bytes_per_token / bandwidth * 1000;
+  col.Add("decode tokens/s", absl::StrFormat("%.2f", ms > 0 ? 1000 / ms : 0));
+  col.Add("decode ms/token", absl::StrFormat("%.1f", ms));
+  col.Add("bandwidth bound ms/token", absl::StrFormat("%.1f", bound_ms));
+  col.Add("decode / bound", absl::StrFormat("%.2fx", bound_ms > 0 ? ms / bound_ms : 0));
+  col.Add("RSS after the runs (MiB)", absl::StrFormat("%.0f", RssMib(server->pid())));
+  return col;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const std::string dir = absl::GetFlag(FLAGS_model_dir);
+  std::string binary = absl::GetFlag(FLAGS_server);
+  if (binary.empty()) {
+    char self[4096];
+    const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    self[n > 0 ? n : 0] = '\0';
+    std::string path(self);
+    binary = path.substr(0, path.rfind('/')) + "/../services/language/vlm-language";
+  }
+  auto config = vlm::LoadModelConfig(dir);
+  if (!config.ok()) {
+    std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
+    return 1;
+  }
+  const uint64_t bytes = DecodeWeightBytes(dir);
+
+  // Read bandwidth with the server's thread count, best of 3 passes.
+  const size_t bw_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bandwidth_mib)) << 20;
+  std::vector<uint64_t> buffer(bw_bytes / 8);
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i;
+  double bandwidth = 0;
+  for (int i = 0; i < 3; ++i) {
+    bandwidth = std::max(bandwidth, vlm::MeasureReadBandwidth(buffer.data(), bw_bytes,
+                                                              absl::GetFlag(FLAGS_threads)));
+  }
+  buffer = {};
+  buffer.shrink_to_fit();
+
+  std::vector<Column> columns;
+  for (absl::string_view extra : absl::StrSplit(absl::GetFlag(FLAGS_configs), ';')) {
+    columns.push_back(Measure(binary, dir, std::string(extra), *config,
+                              static_cast<double>(bytes), bandwidth));
+  }
+
+  std::printf("vlm-bench-language: %s, %d threads, medians of %d runs (%d starts)\n", dir.c_str(),
+              absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_runs),
+              absl::GetFlag(FLAGS_starts));
+  std::printf("weight bytes read per decode step: %.1f MiB; read bandwidth: %.1f GB/s\n\n",
+              bytes / 1048576.0, bandwidth / 1e9);
+  std::printf("| metric |");
+  for (const Column& c : columns) std::printf(" %s |", c.name.c_str());
+  std::printf("\n|---|");
+  for (size_t i = 0; i < columns.size(); ++i) std::printf("---|");
+  std::printf("\n");
+  for (size_t r = 0; r < columns[0].rows.size(); ++r) {
+    std::printf("| %s |", columns[0].rows[r].first.c_str());
+    for (const Column& c : columns) {
+      std::printf(" %s |", r < c.rows.size() ? c.rows[r].second.c_str() : "-");
+    }
+    std::printf("\n");
+  }
+  return 0;
+}

@@ -1,0 +1,729 @@
+#include "services/language/language_service.h"
+
+#include <ATen/ATen.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/method_handler.h>
+#include <prometheus/histogram.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "common/tensor_codec.h"
+#include "services/language/stop_strings.h"
+#include "services/language/utf8.h"
+
+namespace vlm::language {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr char kLog[] = "language";
+
+double MillisBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+bool DeadlinePassed(const grpc::ServerContext* context) {
+  return std::chrono::system_clock::now() > context->deadline();
+}
+
+absl::Status Invalid(const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, " ", what));
+}
+
+v1::FinishReason ToProto(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+// Path of the first string field of `data` (a serialized `type`) that holds
+// invalid UTF-8, e.g. "messages[0].content[1].text"; empty if there is none
+// or the bytes stop parsing before one is found.
+std::string FindInvalidUtf8Field(absl::string_view data, const google::protobuf::Descriptor* type) {
+  using google::protobuf::FieldDescriptor;
+  using google::protobuf::internal::WireFormatLite;
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(data.data()),
+                                            static_cast<int>(data.size()));
+  std::map<int, int> seen;  // field number -> occurrences so far (repeated index)
+  while (true) {
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) return "";
+    const FieldDescriptor* field = type->FindFieldByNumber(WireFormatLite::GetTagFieldNumber(tag));
+    const bool nested = field != nullptr &&
+                        WireFormatLite::GetTagWireType(tag) ==
+                            WireFormatLite::WIRETYPE_LENGTH_DELIMITED &&
+                        (field->type() == FieldDescriptor::TYPE_STRING ||
+                         field->type() == FieldDescriptor::TYPE_MESSAGE);
+    if (!nested) {
+      if (!WireFormatLite::SkipField(&in, tag)) return "";
+      continue;
+    }
+    uint32_t length = 0;
+    std::string bytes;
+    if (!in.ReadVarint32(&length) || !in.ReadString(&bytes, static_cast<int>(length))) return "";
+    std::string name = field->name();
+    if (field->is_repeated()) absl::StrAppend(&name, "[", seen[field->number()]++, "]");
+    if (field->type() == FieldDescriptor::TYPE_STRING) {
+      if (utf8::FindInvalid(bytes) != absl::string_view::npos) return name;
+    } else if (std::string inner = FindInvalidUtf8Field(bytes, field->message_type());
+               !inner.empty()) {
+      return absl::StrCat(name, ".", inner);
+    }
+  }
+}
+
+// Reads the one request message of a raw call and parses it as `T`.
+template <typename T>
+absl::Status ReadRequest(grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream,
+                         T* request) {
+  grpc::ByteBuffer buffer;
+  if (!stream->Read(&buffer)) return absl::InvalidArgumentError("no request message");
+  std::vector<grpc::Slice> slices;
+  if (grpc::Status s = buffer.Dump(&slices); !s.ok()) return FromGrpcStatus(s);
+  std::string data;
+  data.reserve(buffer.Length());
+  for (const grpc::Slice& slice : slices) {
+    data.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  if (request->ParseFromString(data)) return absl::OkStatus();
+  if (std::string field = FindInvalidUtf8Field(data, T::descriptor()); !field.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is not valid UTF-8"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("the request does not parse as ", T::descriptor()->full_name()));
+}
+
+template <typename T>
+bool WriteMessage(grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream,
+                  const T& message) {
+  grpc::ByteBuffer buffer;
+  bool own = false;
+  if (!grpc::SerializationTraits<T>::Serialize(message, &buffer, &own).ok()) return false;
+  return stream->Write(buffer);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Metrics
+// ---------------------------------------------------------------------------
+
+struct LanguageService::Metrics {
+  prometheus::Histogram* ttft;
+  prometheus::Histogram* itl;
+  prometheus::Counter* prompt_tokens;
+  prometheus::Counter* image_tokens;
+  prometheus::Counter* generated_tokens;
+  prometheus::Family<prometheus::Counter>* generations;
+  prometheus::Gauge* queue_depth;
+  prometheus::Gauge* running;
+  prometheus::Gauge* prefill_tps;
+  prometheus::Gauge* decode_tps;
+  prometheus::Family<prometheus::Histogram>* stages;
+
+  static Metrics* Get() {
+    static Metrics* metrics = [] {
+      auto* m = new Metrics;
+      prometheus::Registry& r = MetricsRegistry();
+      m->ttft = &LatencyHistogramFamily("vlm_language_time_to_first_token_seconds",
+                                        "Request arrival to the first generated token.")
+                     .Add({}, DefaultLatencyBuckets());
+      m->itl = &prometheus::BuildHistogram()
+                    .Name("vlm_language_inter_token_latency_seconds")
+                    .Help("Time between consecutive streamed tokens of one generation.")
+                    .Register(r)
+                    .Add({}, prometheus::Histogram::BucketBoundaries{
+                                 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1,
+                                 0.15, 0.2, 0.3, 0.5, 1, 2, 5});
+      m->prompt_tokens = &prometheus::BuildCounter()
+                              .Name("vlm_language_prompt_tokens_total")
+                              .Help("Prompt tokens prefilled, image tokens included.")
+                              .Register(r)
+                              .Add({});
+      m->image_tokens = &prometheus::BuildCounter()
+                             .Name("vlm_language_image_tokens_total")
+                             .Help("Image placeholder tokens prefilled.")
+                             .Register(r)
+                             .Add({});
+      m->generated_tokens = &prometheus::BuildCounter()
+                                 .Name("vlm_language_generated_tokens_total")
+                                 .Help("Completion tokens sampled.")
+                                 .Register(r)
+                                 .Add({});
+      m->generations = &prometheus::BuildCounter()
+                            .Name("vlm_language_generations_total")
+                            .Help("Generations that ran, by finish reason (stop, length, "
+                                  "cancelled, error).")
+                            .Register(r);
+      m->queue_depth = &prometheus::BuildGauge()
+                            .Name("vlm_language_queue_depth")
+                            .Help("Generate calls waiting for a sequence slot.")
+                            .Register(r)
+                            .Add({});
+      m->running = &prometheus::BuildGauge()
+                        .Name("vlm_language_sequences_running")
+                        .Help("Generations holding a sequence slot.")
+                        .Register(r)
+                        .Add({});
+      m->prefill_tps = &prometheus::BuildGauge()
+                            .Name("vlm_language_prefill_tokens_per_second")
+                            .Help("Prefill speed of the last generation.")
+                            .Register(r)
+                            .Add({});
+      m->decode_tps = &prometheus::BuildGauge()
+                           .Name("vlm_language_decode_tokens_per_second")
+                           .Help("Decode speed of the last generation (2 or more tokens).")
+                           .Register(r)
+                           .Add({});
+      m->stages = &LatencyHistogramFamily("vlm_language_stage_seconds",
+                                          "Time per generation stage: queue, projector, "
+                                          "prefill, decode.");
+      return m;
+    }();
+    return metrics;
+  }
+
+  void Stage(const char* stage, double ms) {
+    stages->Add({{"stage", stage}}, DefaultLatencyBuckets()).Observe(ms / 1000.0);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Admission: bounded running sequences + bounded FIFO queue
+// ---------------------------------------------------------------------------
+
+class LanguageService::Admission {
+ public:
+  Admission(int max_running, int max_queue, Metrics* metrics)
+      : max_running_(std::max(1, max_running)), max_queue_(std::max(0, max_queue)),
+        metrics_(metrics) {}
+
+  // Holds one slot until destroyed.
+  class Slot {
+   public:
+    explicit Slot(Admission* owner) : owner_(owner) {}
+    Slot(Slot&& other) noexcept : owner_(std::exchange(other.owner_, nullptr)) {}
+    Slot& operator=(Slot&&) = delete;
+    ~Slot() {
+      if (owner_ != nullptr) owner_->Release();
+    }
+
+   private:
+    Admission* owner_;
+  };
+
+  absl::StatusOr<Slot> Acquire(grpc::ServerContext* context) {
+    absl::MutexLock lock(&mu_);
+    if (running_ < max_running_ && queue_.empty()) {
+      ++running_;
+      Publish();
+      return Slot(this);
+    }
+    if (static_cast<int>(queue_.size()) >= max_queue_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "all ", max_running_, " sequence slots are busy and ", queue_.size(),
+          " requests are already queued (--max_sequences, --max_queue); retry later"));
+    }
+    const uint64_t ticket = next_ticket_++;
+    queue_.push_back(ticket);
+    Publish();
+    while (true) {
+      if (queue_.front() == ticket && running_ < max_running_) {
+        queue_.pop_front();
+        ++running_;
+        Publish();
+        cv_.SignalAll();
+        return Slot(this);
+      }
+      const bool late = DeadlinePassed(context);
+      if (late || context->IsCancelled()) {
+        queue_.erase(std::find(queue_.begin(), queue_.end(), ticket));
+        Publish();
+        cv_.SignalAll();
+        return late ? absl::DeadlineExceededError(
+                          "the deadline passed while waiting for a sequence slot")
+                    : absl::CancelledError("cancelled while waiting for a sequence slot");
+      }
+      // Cancellation and deadlines are polled: gRPC's sync API has no callback
+      // that could wake this wait.
+      cv_.WaitWithTimeout(&mu_, absl::Milliseconds(10));
+    }
+  }
+
+ private:
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    --running_;
+    Publish();
+    cv_.SignalAll();
+  }
+  void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    metrics_->queue_depth->Set(static_cast<double>(queue_.size()));
+    metrics_->running->Set(running_);
+  }
+
+  const int max_running_;
+  const int max_queue_;
+  Metrics* metrics_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Loading
+// ---------------------------------------------------------------------------
+
+struct LanguageService::Prepared {
+  Prompt prompt;
+  std::vector<ImageFeatures> images;
+  int64_t image_tokens = 0;
+};
+
+LanguageService::LanguageService(Readiness* readiness, LanguageServiceOptions options)
+    : readiness_(readiness), options_(std::move(options)), metrics_(Metrics::Get()) {
+  admission_ = std::make_unique<Admission>(options_.max_sequences, options_.max_queue, metrics_);
+  // Methods 0 (Generate) and 1 (CountTokens) in proto order: the request
+  // arrives as bytes (see the header); on the wire nothing changes.
+  using RawHandler =
+      grpc::internal::BidiStreamingHandler<LanguageService, grpc::ByteBuffer, grpc::ByteBuffer>;
+  MarkMethodStreamed(0, new RawHandler(
+                            [](LanguageService* self, grpc::ServerContext* context,
+                               RawStream* stream) { return self->GenerateRaw(context, stream); },
+                            this));
+  MarkMethodStreamed(1, new RawHandler(
+                            [](LanguageService* self, grpc::ServerContext* context,
+                               RawStream* stream) { return self->CountTokensRaw(context, stream); },
+                            this));
+}
+
+LanguageService::~LanguageService() = default;
+
+absl::Status LanguageService::Load() {
+  const std::string& dir = options_.model_dir;
+  if (dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
+  readiness_->SetNotServing(kLanguageServiceName, "warming up: reading the model files");
+
+  // The tokenizer (the slowest file to parse) loads beside the weights.
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+      absl::UnknownError("tokenizer not loaded");
+  std::thread tokenizer_thread([&] {
+    LoadPhaseTimer timer("language_tokenizer");
+    tokenizer = Tokenizer::Load(dir);
+  });
+  struct Joiner {
+    std::thread& t;
+    ~Joiner() {
+      if (t.joinable()) t.join();
+    }
+  } joiner{tokenizer_thread};
+
+  {
+    LoadPhaseTimer timer("language_config");
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+    if (!config.ok()) return config.status();
+    config_ = *std::move(config);
+    absl::StatusOr<GenerationConfig> generation = LoadGenerationConfig(dir);
+    if (generation.ok()) {
+      generation_config_ = *std::move(generation);
+    } else if (absl::IsNotFound(generation.status())) {
+      LogWarning(kLog, "no generation_config.json; greedy defaults, EOS from the tokenizer");
+    } else {
+      return generation.status();
+    }
+    if (!config_.tie_warning.empty()) LogWarning(kLog, config_.tie_warning);
+  }
+  {
+    LoadPhaseTimer timer("language_decoder");
+    absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> checkpoint =
+        SafetensorsCheckpoint::Open(dir);
+    if (!checkpoint.ok()) return checkpoint.status();
+    checkpoint_ = std::shared_ptr<const SafetensorsCheckpoint>(std::move(*checkpoint));
+    DecoderOptions decoder_options;
+    decoder_options.compute_dtype = options_.compute_dtype;
+    decoder_options.prefill_chunk_tokens = options_.prefill_chunk_tokens;
+    decoder_options.use_gemv = options_.use_gemv;
+    decoder_options.touch_embedding = options_.eager_load;
+    decoder_options.layers.eager_load = options_.eager_load;
+    decoder_options.layers.resident_layers = options_.resident_layers;
+    decoder_options.layers.prefetch_layers = options_.prefetch_layers;
+    absl::StatusOr<std::unique_ptr<Decoder>> decoder =
+        Decoder::Load(checkpoint_, config_, decoder_options);
+    if (!decoder.ok()) return decoder.status();
+    decoder_ = *std::move(decoder);
+    LogInfo(kLog, "decoder loaded", {{"summary", decoder_->load_summary()}});
+  }
+
+  readiness_->SetNotServing(kLanguageServiceName, "projector warming up");
+  {
+    LoadPhaseTimer timer("language_projector");
+    ProjectorOptions projector_options;
+    projector_options.compute_dtype = options_.compute_dtype;
+    absl::StatusOr<std::unique_ptr<Projector>> projector =
+        Projector::Load(*checkpoint_, config_, projector_options);
+    if (!projector.ok()) return projector.status();
+    projector_ = *std::move(projector);
+    LogInfo(kLog, "projector loaded", {{"summary", projector_->load_summary()}});
+  }
+  {
+    LoadPhaseTimer timer("language_warmup");
+    if (absl::Status s = projector_->WarmUp(); !s.ok()) return s;
+    if (options_.warmup_delay > absl::ZeroDuration()) {
+      LogInfo(kLog, "artificial warm-up delay", {{"seconds", options_.warmup_delay}});
+      absl::SleepFor(options_.warmup_delay);
+    }
+  }
+
+  tokenizer_thread.join();
+  if (!tokenizer.ok()) return tokenizer.status();
+  tokenizer_ = *std::move(tokenizer);
+
+  GeneratorConfig generator_config;
+  for (int64_t id : generation_config_.eos_token_ids) {
+    generator_config.eos_ids.push_back(static_cast<int32_t>(id));
+  }
+  if (generator_config.eos_ids.empty()) {
+    const SpecialTokenIds& special = tokenizer_->special_ids();
+    for (int32_t id : {special.im_end, special.endoftext}) {
+      if (id >= 0) generator_config.eos_ids.push_back(id);
+    }
+  }
+  max_context_ = std::min<int64_t>(options_.max_context, config_.text.max_position_embeddings);
+  model_ = std::make_unique<DecoderModel>(projector_.get(), decoder_.get(), config_);
+  generator_ = std::make_unique<Generator>(model_.get(), tokenizer_.get(), generator_config);
+  LogInfo(kLog, "ready to generate",
+          {{"max_context", static_cast<long long>(max_context_)},
+           {"max_sequences", options_.max_sequences},
+           {"max_queue", options_.max_queue},
+           {"eos_ids", absl::StrJoin(generator_config.eos_ids, ",")}});
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Request translation
+// ---------------------------------------------------------------------------
+
+absl::StatusOr<LanguageService::Prepared> LanguageService::Prepare(
+    const v1::GenerateRequest& request, bool with_features) const {
+  if (request.messages_size() == 0) return Invalid("messages", "is empty: nothing to answer");
+  const int64_t merge = config_.vision.spatial_merge_size;
+  const size_t levels = config_.vision.deepstack_visual_indexes.size();
+  Prepared out;
+  std::vector<ChatMessage> messages;
+  for (int i = 0; i < request.messages_size(); ++i) {
+    const v1::LanguageMessage& m = request.messages(i);
+    const std::string field = absl::StrCat("messages[", i, "]");
+    if (m.role() != "system" && m.role() != "user" && m.role() != "assistant") {
+      return Invalid(field + ".role", absl::StrCat("is \"", m.role(),
+                                                   "\"; expected system, user or assistant"));
+    }
+    ChatMessage message;
+    message.role = m.role();
+    for (int j = 0; j < m.content_size(); ++j) {
+      const v1::LanguageContentPart& part = m.content(j);
+      const std::string part_field = absl::StrCat(field, ".content[", j, "]");
+      if (part.has_image()) {
+        const v1::VisionFeatures& image = part.image();
+        const ImageGrid grid{image.grid().t(), image.grid().h(), image.grid().w()};
+        absl::StatusOr<int64_t> tokens = ImageTokenCount(grid, merge);
+        if (!tokens.ok()) return Invalid(part_field + ".image.grid", std::string(tokens.status().message()));
+        out.image_tokens += *tokens;
+        if (with_features) {
+          const std::string what = part_field + ".image";
+          const int64_t rows = grid.t * grid.h * grid.w;
+          const DecodeExpectation expect{"", 2, {rows, config_.vision.hidden_size}};
+          auto decode = [&](const v1::Tensor& t,
+                            const std::string& name) -> absl::StatusOr<at::Tensor> {
+            if (t.dtype() != v1::DTYPE_BF16 && t.dtype() != v1::DTYPE_F32) {
+              return Invalid(name + ".dtype", absl::StrCat("is ", WireDTypeName(t.dtype()),
+                                                           "; expected BF16 or F32"));
+            }
+            DecodeExpectation e = expect;
+            e.what = name;
+            absl::StatusOr<at::Tensor> tensor = DecodeTensor(t, e);
+            if (!tensor.ok()) {
+              return Invalid(name, absl::StrCat("does not match grid (", grid.t, ", ", grid.h,
+                                                ", ", grid.w, ") x vision hidden ",
+                                                config_.vision.hidden_size, ": ",
+                                                tensor.status().message()));
+            }
+            return tensor;
+          };
+          ImageFeatures features;
+          features.grid = {grid.t, grid.h, grid.w};
+          absl::StatusOr<at::Tensor> last = decode(image.last_hidden(), what + ".last_hidden");
+          if (!last.ok()) return last.status();
+          features.last_hidden = *std::move(last);
+          if (static_cast<size_t>(image.deepstack_size()) != levels) {
+            return Invalid(what + ".deepstack", absl::StrCat("has ", image.deepstack_size(),
+                                                             " tensors; the model needs ", levels));
+          }
+          for (int k = 0; k < image.deepstack_size(); ++k) {
+            absl::StatusOr<at::Tensor> d =
+                decode(image.deepstack(k), absl::StrCat(what, ".deepstack[", k, "]"));
+            if (!d.ok()) return d.status();
+            features.deepstack.push_back(*std::move(d));
+          }
+          out.images.push_back(std::move(features));
+        }
+        message.content.push_back(ChatPart::Image(grid));
+      } else if (part.has_text()) {
+        if (absl::Status s = utf8::Validate(part.text(), part_field + ".text"); !s.ok()) return s;
+        message.content.push_back(ChatPart::Text(part.text()));
+      } else {
+        return Invalid(part_field, "has neither text nor image");
+      }
+    }
+    messages.push_back(std::move(message));
+  }
+  ChatTemplateOptions template_options;
+  template_options.add_generation_prompt = request.add_generation_prompt();
+  absl::StatusOr<Prompt> prompt = BuildPrompt(*tokenizer_, messages, template_options, merge);
+  if (!prompt.ok()) return prompt.status();
+  out.prompt = *std::move(prompt);
+  return out;
+}
+
+absl::Status LanguageService::ResolveParams(const v1::GenerationParams& params,
+                                            int64_t prompt_tokens, GenerationRequest* out) const {
+  // Defaults from generation_config.json; do_sample false means greedy.
+  const GenerationConfig& g = generation_config_;
+  SamplingConfig& s = out->sampling;
+  s.temperature = g.do_sample ? static_cast<float>(g.temperature) : 0.0f;
+  s.top_k = static_cast<int32_t>(std::clamp<int64_t>(g.top_k, 0, INT32_MAX));
+  s.top_p = static_cast<float>(g.top_p);
+  s.repetition_penalty = static_cast<float>(g.repetition_penalty);
+  const v1::SamplingParams& p = params.sampling();
+  if (p.has_temperature()) s.temperature = p.temperature();
+  if (p.has_top_k()) s.top_k = p.top_k();
+  if (p.has_top_p()) s.top_p = p.top_p();
+  if (p.has_min_p()) s.min_p = p.min_p();
+  if (p.has_repetition_penalty()) s.repetition_penalty = p.repetition_penalty();
+  if (p.has_presence_penalty()) s.presence_penalty = p.presence_penalty();
+  if (p.has_frequency_penalty()) s.frequency_penalty = p.frequency_penalty();
+  if (p.has_seed()) s.seed = p.seed();
+  if (absl::Status st = ValidateSamplingConfig(s, "params.sampling"); !st.ok()) return st;
+
+  if (prompt_tokens >= max_context_) {
+    return Invalid("messages", absl::StrCat("make a prompt of ", prompt_tokens,
+                                            " tokens; the context holds ", max_context_,
+                                            " (--max_context), prompt plus at least one "
+                                            "generated token"));
+  }
+  const int64_t room = max_context_ - prompt_tokens;
+  if (params.has_max_tokens()) {
+    if (params.max_tokens() < 1 || params.max_tokens() > max_context_) {
+      return Invalid("params.max_tokens", absl::StrCat("must be in [1, ", max_context_,
+                                                       "]; got ", params.max_tokens()));
+    }
+    out->max_tokens = std::min<int64_t>(params.max_tokens(), room);
+  } else {
+    out->max_tokens = std::min<int64_t>(g.max_new_tokens.value_or(room), room);
+  }
+  if (params.top_logprobs() < 0 || params.top_logprobs() > kMaxTopLogprobs) {
+    return Invalid("params.top_logprobs", absl::StrCat("must be in [0, ", kMaxTopLogprobs,
+                                                       "]; got ", params.top_logprobs()));
+  }
+  out->stop.assign(params.stop().begin(), params.stop().end());
+  if (absl::Status st = ValidateStopStrings(out->stop, "params.stop"); !st.ok()) return st;
+  out->ignore_eos = params.ignore_eos();
+  out->logprobs = params.logprobs() || params.top_logprobs() > 0;
+  out->top_logprobs = params.top_logprobs();
+  out->include_special_tokens = params.include_special_tokens();
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// RPCs
+// ---------------------------------------------------------------------------
+
+grpc::Status LanguageService::Generate(grpc::ServerContext* context,
+                                       const v1::GenerateRequest* request,
+                                       grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const Clock::time_point arrival = Clock::now();
+  if (grpc::Status s = readiness_->CheckGrpc(kLanguageServiceName); !s.ok()) return s;
+  return RunGenerate(context, arrival, *request,
+                     [writer](const v1::GenerateResponse& r) { return writer->Write(r); });
+}
+
+grpc::Status LanguageService::GenerateRaw(grpc::ServerContext* context, RawStream* stream) {
+  const Clock::time_point arrival = Clock::now();
+  if (grpc::Status s = readiness_->CheckGrpc(kLanguageServiceName); !s.ok()) return s;
+  v1::GenerateRequest request;
+  if (absl::Status s = ReadRequest(stream, &request); !s.ok()) return ToGrpcStatus(s);
+  return RunGenerate(context, arrival, request,
+                     [stream](const v1::GenerateResponse& r) { return WriteMessage(stream, r); });
+}
+
+grpc::Status LanguageService::CountTokens(grpc::ServerContext* context,
+                                          const v1::GenerateRequest* request,
+                                          v1::CountTokensResponse* response) {
+  if (grpc::Status s = readiness_->CheckGrpc(kLanguageServiceName); !s.ok()) return s;
+  return RunCountTokens(*request, response);
+}
+
+grpc::Status LanguageService::CountTokensRaw(grpc::ServerContext* context, RawStream* stream) {
+  if (grpc::Status s = readiness_->CheckGrpc(kLanguageServiceName); !s.ok()) return s;
+  v1::GenerateRequest request;
+  if (absl::Status s = ReadRequest(stream, &request); !s.ok()) return ToGrpcStatus(s);
+  v1::CountTokensResponse response;
+  grpc::Status status = RunCountTokens(request, &response);
+  if (status.ok() && !WriteMessage(stream, response)) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+  }
+  return status;
+}
+
+grpc::Status LanguageService::RunGenerate(
+    grpc::ServerContext* context, Clock::time_point arrival, const v1::GenerateRequest& request,
+    const std::function<bool(const v1::GenerateResponse&)>& write) {
+  absl::StatusOr<Prepared> prepared = Prepare(request, /*with_features=*/true);
+  if (!prepared.ok()) return ToGrpcStatus(prepared.status());
+  GenerationRequest gen;
+  const int64_t prompt_tokens = static_cast<int64_t>(prepared->prompt.ids.size());
+  if (absl::Status s = ResolveParams(request.params(), prompt_tokens, &gen); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  gen.prompt_ids = std::move(prepared->prompt.ids);
+  gen.images = std::move(prepared->images);
+
+  absl::StatusOr<Admission::Slot> slot = admission_->Acquire(context);
+  if (!slot.ok()) return ToGrpcStatus(slot.status());
+  const Clock::time_point admitted = Clock::now();
+  const double queue_ms = MillisBetween(arrival, admitted);
+  metrics_->Stage("queue", queue_ms);
+
+  Clock::time_point last_token = admitted;
+  int64_t sent = 0;
+  auto sink = [&](const GenerationChunk& chunk) {
+    const Clock::time_point now = Clock::now();
+    if (sent == 0) {
+      metrics_->ttft->Observe(MillisBetween(arrival, now) / 1000.0);
+    } else {
+      metrics_->itl->Observe(MillisBetween(last_token, now) / 1000.0);
+    }
+    last_token = now;
+    sent += static_cast<int64_t>(chunk.token_ids.size());
+    v1::GenerateResponse response;
+    response.set_text(chunk.text);
+    for (int32_t id : chunk.token_ids) response.add_token_ids(id);
+    for (const GeneratedTokenLogprob& lp : chunk.logprobs) {
+      v1::TokenLogprob* out = response.add_logprobs();
+      out->set_token_id(lp.chosen.id);
+      out->set_token(lp.chosen.token);
+      out->set_logprob(lp.chosen.logprob);
+      for (const TopLogprobEntry& alt : lp.top) {
+        v1::TopLogprob* t = out->add_top();
+        t->set_token_id(alt.id);
+        t->set_token(alt.token);
+        t->set_logprob(alt.logprob);
+      }
+    }
+    return write(response);
+  };
+  auto should_stop = [&] { return context->IsCancelled() || DeadlinePassed(context); };
+
+  absl::StatusOr<GenerationResult> result = generator_->Generate(gen, sink, should_stop);
+  const double total_ms = MillisBetween(arrival, Clock::now());
+  metrics_->prompt_tokens->Increment(static_cast<double>(prompt_tokens));
+  metrics_->image_tokens->Increment(static_cast<double>(prepared->image_tokens));
+  metrics_->generated_tokens->Increment(static_cast<double>(sent));
+  if (!result.ok()) {
+    metrics_->generations->Add({{"finish_reason", "error"}}).Increment();
+    LogWarning(kLog, "generation failed", {{"request_id", request.request_id()},
+                                           {"error", result.status().ToString()}});
+    return ToGrpcStatus(result.status());
+  }
+  metrics_->generations->Add({{"finish_reason", FinishReasonName(result->finish)}}).Increment();
+  metrics_->Stage("projector", result->projector_ms);
+  metrics_->Stage("prefill", result->prefill_ms);
+  metrics_->Stage("decode", result->decode_ms);
+  if (result->prefill_ms > 0) {
+    metrics_->prefill_tps->Set(static_cast<double>(prompt_tokens) / (result->prefill_ms / 1000));
+  }
+  if (result->completion_tokens > 1 && result->decode_ms > 0) {
+    metrics_->decode_tps->Set(static_cast<double>(result->completion_tokens - 1) /
+                              (result->decode_ms / 1000));
+  }
+  const double first_token_ms = result->completion_tokens > 0
+                                    ? MillisBetween(arrival, result->first_token_at)
+                                    : 0.0;
+  LogInfo(kLog, "generation finished",
+          {{"request_id", request.request_id()},
+           {"finish", result->finish_detail},
+           {"prompt_tokens", static_cast<long long>(prompt_tokens)},
+           {"image_tokens", static_cast<long long>(prepared->image_tokens)},
+           {"completion_tokens", static_cast<long long>(result->completion_tokens)},
+           {"queue_ms", queue_ms},
+           {"projector_ms", result->projector_ms},
+           {"prefill_ms", result->prefill_ms},
+           {"first_token_ms", first_token_ms},
+           {"decode_ms", result->decode_ms},
+           {"total_ms", total_ms}});
+
+  if (result->finish == FinishReason::kCancelled) {
+    if (DeadlinePassed(context)) {
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                          absl::StrCat("deadline exceeded after ", result->completion_tokens,
+                                       " generated tokens"));
+    }
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        absl::StrCat("generation ", result->finish_detail, " after ",
+                                     result->completion_tokens, " tokens"));
+  }
+
+  v1::GenerateResponse last;
+  last.set_text(result->tail_text);
+  last.set_finish_reason(ToProto(result->finish));
+  v1::Usage* usage = last.mutable_usage();
+  usage->set_prompt_tokens(static_cast<int32_t>(prompt_tokens));
+  usage->set_image_tokens(static_cast<int32_t>(prepared->image_tokens));
+  usage->set_completion_tokens(static_cast<int32_t>(result->completion_tokens));
+  usage->set_total_tokens(static_cast<int32_t>(prompt_tokens + result->completion_tokens));
+  v1::LanguageTimings* timings = last.mutable_timings();
+  timings->set_queue_ms(queue_ms);
+  timings->set_projector_ms(result->projector_ms);
+  timings->set_prefill_ms(result->prefill_ms);
+  timings->set_first_token_ms(first_token_ms);
+  timings->set_decode_ms(result->decode_ms);
+  timings->set_total_ms(total_ms);
+  write(last);
+  return grpc::Status::OK;
+}
+
+grpc::Status LanguageService::RunCountTokens(const v1::GenerateRequest& request,
+                                             v1::CountTokensResponse* response) {
+  absl::StatusOr<Prepared> prepared = Prepare(request, /*with_features=*/false);
+  if (!prepared.ok()) return ToGrpcStatus(prepared.status());
+  v1::Usage* usage = response->mutable_usage();
+  const int32_t prompt = static_cast<int32_t>(prepared->prompt.ids.size());
+  usage->set_prompt_tokens(prompt);
+  usage->set_image_tokens(static_cast<int32_t>(prepared->image_tokens));
+  usage->set_completion_tokens(0);
+  usage->set_total_tokens(prompt);
+  return grpc::Status::OK;
+}
+
+}  // namespace vlm::language

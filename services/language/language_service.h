@@ -1,0 +1,131 @@
+// vlm.v1.Language: translates between the wire and the generation loop.
+//
+// Generate validates the request (INVALID_ARGUMENT naming the field), renders
+// and tokenizes the conversation, waits for a sequence slot, then streams one
+// GenerateResponse per sampled token and a last one with finish reason, usage
+// and timings. CountTokens renders and counts without generating.
+//
+// Admission: at most `max_sequences` generations run at once and at most
+// `max_queue` wait (FIFO) for a slot; beyond that RESOURCE_EXHAUSTED. A
+// request's deadline is honoured while it waits (DEADLINE_EXCEEDED) and
+// between decode steps; a cancelled call stops before its next decode step
+// and frees its slot.
+//
+// Readiness: every RPC answers UNAVAILABLE until Load() has warmed up the
+// projector and the caller has marked the service SERVING.
+//
+// Wire: both methods take the request as raw bytes and parse it themselves,
+// so that a string field holding invalid UTF-8 (which the generated proto3
+// parser rejects before any handler runs, as an anonymous INTERNAL error) is
+// answered with INVALID_ARGUMENT naming the field.
+//
+// Metrics (besides the bootstrap's per-RPC ones): vlm_language_time_to_first_token_seconds,
+// vlm_language_inter_token_latency_seconds, vlm_language_prompt_tokens_total,
+// vlm_language_image_tokens_total, vlm_language_generated_tokens_total,
+// vlm_language_generations_total{finish_reason}, vlm_language_queue_depth,
+// vlm_language_sequences_running, vlm_language_prefill_tokens_per_second and
+// vlm_language_decode_tokens_per_second (of the last request),
+// vlm_language_stage_seconds{stage=queue|projector|prefill|decode}.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/cpu_features.h"
+#include "common/model_config.h"
+#include "common/readiness.h"
+#include "common/safetensors.h"
+#include "services/language/chat_template.h"
+#include "services/language/decoder.h"
+#include "services/language/generator.h"
+#include "services/language/projector.h"
+#include "services/language/tokenizer.h"
+#include "vlm/v1/language.grpc.pb.h"
+
+namespace vlm::language {
+
+inline constexpr char kLanguageServiceName[] = "vlm.v1.Language";
+
+// One struct for the service's configuration, filled from flags by main.
+struct LanguageServiceOptions {
+  std::string model_dir;
+  ComputeDType compute_dtype = ComputeDType::kBFloat16;
+  bool eager_load = false;
+  int resident_layers = 0;      // 0 = no bound
+  int prefetch_layers = 1;
+  int64_t prefill_chunk_tokens = 512;
+  bool use_gemv = true;
+  int max_sequences = 1;        // generations running at once
+  int max_queue = 16;           // generations waiting for a slot
+  int64_t max_context = 8192;   // prompt + completion tokens per sequence
+  absl::Duration warmup_delay;  // artificial, for tests of readiness gating
+};
+
+class LanguageService final : public v1::Language::Service {
+ public:
+  // `readiness` must outlive the service; the service reports what it is
+  // loading as the NOT_SERVING reason but never sets SERVING itself.
+  LanguageService(Readiness* readiness, LanguageServiceOptions options);
+  ~LanguageService() override;
+
+  // Reads the configs, tokenizer and tensor headers, loads the projector and
+  // warms it up (plus options.warmup_delay). Call once, before SetServing.
+  absl::Status Load();
+
+  // The typed entry points (in-process callers; gRPC calls reach the raw
+  // handlers installed by the constructor, which parse and then do the same).
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status CountTokens(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                           v1::CountTokensResponse* response) override;
+
+  const LanguageServiceOptions& options() const { return options_; }
+  // After Load: the model, for benchmarks and logs.
+  const Decoder* decoder() const { return decoder_.get(); }
+  const Projector* projector() const { return projector_.get(); }
+
+ private:
+  class Admission;
+  struct Metrics;
+  struct Prepared;  // a validated, tokenized request
+
+  // Validation + chat template + tokenization. `with_features` also decodes
+  // and checks the image features (Generate); CountTokens needs only grids.
+  absl::StatusOr<Prepared> Prepare(const v1::GenerateRequest& request, bool with_features) const;
+  absl::Status ResolveParams(const v1::GenerationParams& params, int64_t prompt_tokens,
+                             GenerationRequest* out) const;
+  using RawStream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+  grpc::Status GenerateRaw(grpc::ServerContext* context, RawStream* stream);
+  grpc::Status CountTokensRaw(grpc::ServerContext* context, RawStream* stream);
+  grpc::Status RunGenerate(grpc::ServerContext* context,
+                           std::chrono::steady_clock::time_point arrival,
+                           const v1::GenerateRequest& request,
+                           const std::function<bool(const v1::GenerateResponse&)>& write);
+  grpc::Status RunCountTokens(const v1::GenerateRequest& request, v1::CountTokensResponse* out);
+
+  Readiness* readiness_;
+  LanguageServiceOptions options_;
+  ModelConfig config_;
+  GenerationConfig generation_config_;
+  std::shared_ptr<const SafetensorsCheckpoint> checkpoint_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<Projector> projector_;
+  std::unique_ptr<Decoder> decoder_;
+  std::unique_ptr<GenerationModel> model_;
+  std::unique_ptr<Generator> generator_;
+  std::unique_ptr<Admission> admission_;
+  Metrics* metrics_;  // process-wide families, never destroyed
+  int64_t max_context_ = 0;  // options.max_context capped by the model
+};
+
+}  // namespace vlm::language

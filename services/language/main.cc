@@ -1,0 +1,101 @@
+// vlm-language: the language service (projector + Qwen3 decoder, streaming
+// generation) over gRPC. See architecture.md and language_service.h.
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/cpu_features.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/server.h"
+#include "services/language/language_service.h"
+
+ABSL_FLAG(std::string, model_dir, "", "Qwen3-VL checkpoint directory (config, safetensors, tokenizer)");
+ABSL_FLAG(std::string, compute_dtype, "bf16",
+          "bf16 or f32; bf16 falls back to f32 on CPUs without fast bf16 matmuls");
+ABSL_FLAG(bool, eager_load, false, "materialize every decoder layer at startup instead of on first use");
+ABSL_FLAG(int, resident_layers, 0,
+          "most decoder layers kept resident (LRU pages dropped beyond); 0 = no bound");
+ABSL_FLAG(int, prefetch_layers, 1, "decoder layers prepared ahead by the background thread; 0 = off");
+ABSL_FLAG(int, max_sequences, 1, "generations running at once (each holds a KV cache)");
+ABSL_FLAG(int, max_queue, 16, "Generate calls waiting for a slot; beyond: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_context, 8192, "prompt + completion tokens per sequence (KV cache size)");
+ABSL_FLAG(int64_t, prefill_chunk_tokens, 512, "prompt tokens per prefill pass (0 = whole prompt)");
+ABSL_FLAG(bool, use_gemv, true, "decode-step projections through the bf16 matrix-vector kernels");
+ABSL_FLAG(int, intra_op_threads, 0, "LibTorch intra-op threads; 0 = hardware concurrency");
+ABSL_FLAG(int, warmup_delay_ms, 0, "artificial delay after the projector warm-up (tests of readiness)");
+
+namespace {
+
+constexpr char kLog[] = "language";
+
+int Run() {
+  using vlm::language::LanguageServiceOptions;
+  LanguageServiceOptions options;
+  options.model_dir = absl::GetFlag(FLAGS_model_dir);
+  const std::string dtype = absl::GetFlag(FLAGS_compute_dtype);
+  if (dtype == "bf16" || dtype == "bfloat16") {
+    options.compute_dtype = vlm::ComputeDType::kBFloat16;
+  } else if (dtype == "f32" || dtype == "float32") {
+    options.compute_dtype = vlm::ComputeDType::kFloat32;
+  } else {
+    vlm::LogError(kLog, "bad --compute_dtype", {{"value", dtype}, {"expected", "bf16|f32"}});
+    return 2;
+  }
+  options.eager_load = absl::GetFlag(FLAGS_eager_load);
+  options.resident_layers = absl::GetFlag(FLAGS_resident_layers);
+  options.prefetch_layers = absl::GetFlag(FLAGS_prefetch_layers);
+  options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.max_queue = absl::GetFlag(FLAGS_max_queue);
+  options.max_context = absl::GetFlag(FLAGS_max_context);
+  options.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
+  options.use_gemv = absl::GetFlag(FLAGS_use_gemv);
+  options.warmup_delay = absl::Milliseconds(absl::GetFlag(FLAGS_warmup_delay_ms));
+  if (options.model_dir.empty() || options.max_sequences < 1 || options.max_queue < 0 ||
+      options.max_context < 2 || options.resident_layers < 0) {
+    vlm::LogError(kLog, "bad flags: need --model_dir, --max_sequences >= 1, --max_queue >= 0, "
+                        "--max_context >= 2, --resident_layers >= 0");
+    return 2;
+  }
+  int threads = absl::GetFlag(FLAGS_intra_op_threads);
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(threads);
+  vlm::LogInfo(kLog, "cpu", {{"features", vlm::GetCpuFeatures().Describe()},
+                             {"intra_op_threads", threads}});
+
+  const std::string name = vlm::language::kLanguageServiceName;
+  vlm::Server server(vlm::ServerOptions::FromFlags());
+  vlm::language::LanguageService service(&server.readiness(), options);
+  server.AddService(&service, name, "warming up: starting");
+  if (absl::Status s = server.Start(); !s.ok()) {
+    vlm::LogError(kLog, "cannot start", {{"error", s.ToString()}});
+    return 1;
+  }
+  std::thread loader([&] {
+    absl::Status loaded = service.Load();
+    if (loaded.ok()) {
+      server.readiness().SetServing(name);
+      vlm::LogInfo(kLog, "serving");
+    } else {
+      vlm::LogError(kLog, "load failed", {{"error", loaded.ToString()}});
+      server.Shutdown(loaded);
+    }
+  });
+  absl::Status done = server.Wait();
+  loader.join();
+  return done.ok() ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052");
+  vlm::ParseCommandLine(argc, argv, "vlm-language: projector + Qwen3 decoder, streaming generation");
+  vlm::LogEffectiveConfiguration(kLog);
+  return Run();
+}
