@@ -1,0 +1,59 @@
+// How the gateway calls its backends: channels, per-call contexts that carry
+// the caller's deadline and cancellation, and the mapping of backend errors to
+// what the gateway's client sees (the code keeps its meaning, never a bare
+// UNKNOWN, and the message says which backend and which image failed).
+#ifndef VLM_SERVICES_GATEWAY_BACKEND_CALL_H_
+#define VLM_SERVICES_GATEWAY_BACKEND_CALL_H_
+
+#include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/server_context.h>
+#include <grpcpp/support/status.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/time/time.h"
+
+namespace vlm::gateway {
+
+struct ChannelOptions {
+  // gRPC's reconnect backoff towards a backend that went away (gRPC's own
+  // default grows to 120 s; a restarted backend should be found within about this).
+  absl::Duration min_reconnect_backoff = absl::Milliseconds(100);
+  absl::Duration max_reconnect_backoff = absl::Seconds(1);
+};
+
+// An insecure channel to `target` ("host:port") with no message size limit
+// (the backends' servers enforce theirs) and the reconnect backoff above.
+std::shared_ptr<grpc::Channel> CreateBackendChannel(const std::string& target,
+                                                    const ChannelOptions& options);
+
+// A context for one backend call made on behalf of `parent` (may be null):
+// the parent's deadline and cancellation propagate, `deadline` (may be
+// infinite) bounds the call further, and `request_id` travels as x-request-id.
+std::unique_ptr<grpc::ClientContext> BackendContext(const grpc::ServerContextBase* parent,
+                                                    absl::Time deadline,
+                                                    std::string_view request_id);
+
+// grpc's deadline type <-> absl::Time (time_point::max() is InfiniteFuture()).
+absl::Time FromGrpcDeadline(std::chrono::system_clock::time_point deadline);
+
+// "INVALID_ARGUMENT", ...
+const char* StatusCodeName(grpc::StatusCode code);
+
+// A vision error for image `image_number` (1-based, in request order), after
+// `attempts` calls, the last one on `replica`:
+//   INVALID_ARGUMENT "image 2: <message>",
+//   UNAVAILABLE "image 2: vision service unavailable after 3 attempts: <message>", ...
+grpc::Status MapVisionError(int image_number, const grpc::Status& status,
+                            std::string_view replica, int attempts);
+
+// A language error; `completion_chunks` says how far the stream had come:
+//   UNAVAILABLE "language service unavailable: <message> (after 7 streamed chunks)", ...
+grpc::Status MapLanguageError(const grpc::Status& status, int completion_chunks);
+
+}  // namespace vlm::gateway
+
+#endif  // VLM_SERVICES_GATEWAY_BACKEND_CALL_H_

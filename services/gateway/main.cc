@@ -1,0 +1,138 @@
+// vlm-gateway: the public API vlm.v1.VisionLanguage in front of the vision
+// replicas and the language service.
+//
+//   vlm-gateway --language_target=127.0.0.1:50053 --vision_targets=127.0.0.1:50052
+//   vlm-gateway --vision_dns=vlm-vision-headless:50052   # Kubernetes headless Service
+//
+// Every flag can also be set as VLM_<FLAG> in the environment.
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/time/time.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/server.h"
+#include "services/gateway/admission.h"
+#include "services/gateway/backend_call.h"
+#include "services/gateway/backend_health.h"
+#include "services/gateway/gateway_service.h"
+#include "services/gateway/router.h"
+#include "vlm/v1/language.grpc.pb.h"
+
+ABSL_FLAG(std::string, language_target, "127.0.0.1:50053", "language service host:port");
+ABSL_FLAG(std::string, vision_targets, "127.0.0.1:50052",
+          "vision replicas, comma-separated host:port (ignored when --vision_dns is set)");
+ABSL_FLAG(std::string, vision_dns, "",
+          "host:port whose DNS name lists the vision replicas (e.g. a Kubernetes headless "
+          "Service); re-resolved every --vision_dns_refresh_s");
+ABSL_FLAG(double, vision_dns_refresh_s, 5, "seconds between re-resolutions of --vision_dns");
+ABSL_FLAG(int, vision_max_attempts, 3,
+          "Encode calls per image: on UNAVAILABLE the next replica in hash order is tried");
+ABSL_FLAG(int, vision_retry_backoff_ms, 25, "wait before the second Encode call; doubles after");
+ABSL_FLAG(int, backend_reconnect_max_ms, 1000,
+          "longest wait between reconnection attempts to a backend (channels and health watches)");
+ABSL_FLAG(int, max_inflight, 8, "chat requests running at once");
+ABSL_FLAG(int, max_queue, 32,
+          "chat requests waiting for a slot; beyond it requests get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_images_per_request, 8, "images per chat request");
+ABSL_FLAG(int64_t, max_image_bytes, 20 << 20, "bytes of one encoded image");
+ABSL_FLAG(int64_t, max_text_bytes, 256 << 10,
+          "bytes of all text of a request (message text and stop strings)");
+ABSL_FLAG(int, max_messages, 256, "messages per chat request");
+ABSL_FLAG(int, max_tokens_limit, 8192, "largest params.max_tokens accepted");
+ABSL_FLAG(int, default_max_tokens, 1024,
+          "params.max_tokens when the client leaves it unset (0: up to the context length)");
+ABSL_FLAG(int, max_stop_strings, 16, "stop strings per request");
+ABSL_FLAG(double, default_deadline_s, 300,
+          "deadline of a request whose client sets none (0: no deadline)");
+ABSL_FLAG(int, spatial_merge_size, 2,
+          "the model's spatial_merge_size (image tokens = t*h*w / merge^2 in responses)");
+
+namespace {
+
+constexpr char kComponent[] = "gateway";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace vlm::gateway;  // NOLINT
+  absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50051");
+  absl::SetFlag(&FLAGS_metrics_address, "0.0.0.0:9090");
+  vlm::ParseCommandLine(argc, argv,
+                        "vlm-gateway: the public vlm.v1.VisionLanguage API over the vision and "
+                        "language services");
+  vlm::LogEffectiveConfiguration(kComponent);
+
+  ChannelOptions channel;
+  channel.max_reconnect_backoff = absl::Milliseconds(absl::GetFlag(FLAGS_backend_reconnect_max_ms));
+  HealthWatchOptions health_options;
+  health_options.retry_max = channel.max_reconnect_backoff;
+
+  VisionRouterOptions router_options;
+  router_options.dns_target = absl::GetFlag(FLAGS_vision_dns);
+  if (router_options.dns_target.empty()) {
+    absl::StatusOr<std::vector<std::string>> targets =
+        ParseTargetList(absl::GetFlag(FLAGS_vision_targets));
+    if (!targets.ok()) {
+      vlm::LogError(kComponent, "bad --vision_targets", {{"error", targets.status().ToString()}});
+      return 2;
+    }
+    router_options.static_targets = *targets;
+  }
+  router_options.dns_refresh = absl::Seconds(absl::GetFlag(FLAGS_vision_dns_refresh_s));
+  router_options.max_attempts = absl::GetFlag(FLAGS_vision_max_attempts);
+  router_options.retry_backoff = absl::Milliseconds(absl::GetFlag(FLAGS_vision_retry_backoff_ms));
+  router_options.channel = channel;
+  router_options.health = health_options;
+
+  GatewayOptions options;
+  options.limits.max_messages = absl::GetFlag(FLAGS_max_messages);
+  options.limits.max_images_per_request = absl::GetFlag(FLAGS_max_images_per_request);
+  options.limits.max_image_bytes = absl::GetFlag(FLAGS_max_image_bytes);
+  options.limits.max_text_bytes = absl::GetFlag(FLAGS_max_text_bytes);
+  options.limits.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  options.limits.max_stop_strings = absl::GetFlag(FLAGS_max_stop_strings);
+  options.spatial_merge_size = absl::GetFlag(FLAGS_spatial_merge_size);
+  options.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
+  const double default_deadline_s = absl::GetFlag(FLAGS_default_deadline_s);
+  options.default_deadline =
+      default_deadline_s > 0 ? absl::Seconds(default_deadline_s) : absl::InfiniteDuration();
+  if (options.spatial_merge_size < 1 || options.default_max_tokens < 0 ||
+      options.default_max_tokens > options.limits.max_tokens_limit) {
+    vlm::LogError(kComponent, "bad flags: need spatial_merge_size >= 1 and "
+                              "0 <= default_max_tokens <= max_tokens_limit");
+    return 2;
+  }
+
+  const std::string name = GatewayService::kServiceName;
+  vlm::Server server(vlm::ServerOptions::FromFlags());
+  BackendHealth health(&server.readiness(), name);
+  absl::StatusOr<std::unique_ptr<VisionRouter>> router =
+      VisionRouter::Create(router_options, [&health] { health.Update(); });
+  if (!router.ok()) {
+    vlm::LogError(kComponent, "cannot set up the vision replicas",
+                  {{"error", router.status().ToString()}});
+    return 2;
+  }
+  const std::string language_target = absl::GetFlag(FLAGS_language_target);
+  std::shared_ptr<grpc::Channel> language_channel = CreateBackendChannel(language_target, channel);
+  Admission admission(absl::GetFlag(FLAGS_max_inflight), absl::GetFlag(FLAGS_max_queue),
+                      GatewayService::AdmissionGauges());
+  GatewayService service(options, &server.readiness(), &admission, router->get(),
+                         vlm::v1::Language::NewStub(language_channel));
+  server.AddService(&service, name, "waiting for the backends' health");
+  if (absl::Status s = server.Start(); !s.ok()) {
+    vlm::LogError(kComponent, "cannot start", {{"error", s.ToString()}});
+    return 1;
+  }
+  VisionRouter* router_ptr = router->get();
+  health.Start(language_target, language_channel, [router_ptr] { return router_ptr->Replicas(); },
+               health_options);
+  absl::Status done = server.Wait();
+  health.Stop();
+  router->reset();
+  return done.ok() ? 0 : 1;
+}

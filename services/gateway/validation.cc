@@ -1,0 +1,214 @@
+#include "services/gateway/validation.h"
+
+#include <cmath>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+
+namespace vlm::gateway {
+namespace {
+
+absl::Status Invalid(std::string message) { return absl::InvalidArgumentError(std::move(message)); }
+
+// "0.5" rather than "0.500000".
+std::string Num(double value) { return absl::StrCat(value); }
+
+absl::Status CheckFinite(const char* field, double value) {
+  if (!std::isfinite(value)) return Invalid(absl::StrCat(field, " is not a finite number"));
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSampling(const v1::SamplingParams& s) {
+  if (s.has_temperature()) {
+    if (absl::Status st = CheckFinite("params.sampling.temperature", s.temperature()); !st.ok()) {
+      return st;
+    }
+    if (s.temperature() < 0) {
+      return Invalid(absl::StrCat("params.sampling.temperature is ", Num(s.temperature()),
+                                  "; must be >= 0 (0 means greedy)"));
+    }
+  }
+  if (s.has_top_k() && s.top_k() < 0) {
+    return Invalid(absl::StrCat("params.sampling.top_k is ", s.top_k(),
+                                "; must be >= 0 (0 disables)"));
+  }
+  if (s.has_top_p()) {
+    if (absl::Status st = CheckFinite("params.sampling.top_p", s.top_p()); !st.ok()) return st;
+    if (!(s.top_p() > 0 && s.top_p() <= 1)) {
+      return Invalid(absl::StrCat("params.sampling.top_p is ", Num(s.top_p()),
+                                  "; must be in (0, 1]"));
+    }
+  }
+  if (s.has_min_p()) {
+    if (absl::Status st = CheckFinite("params.sampling.min_p", s.min_p()); !st.ok()) return st;
+    if (!(s.min_p() >= 0 && s.min_p() < 1)) {
+      return Invalid(absl::StrCat("params.sampling.min_p is ", Num(s.min_p()),
+                                  "; must be in [0, 1)"));
+    }
+  }
+  if (s.has_repetition_penalty()) {
+    if (absl::Status st = CheckFinite("params.sampling.repetition_penalty",
+                                      s.repetition_penalty());
+        !st.ok()) {
+      return st;
+    }
+    if (!(s.repetition_penalty() > 0)) {
+      return Invalid(absl::StrCat("params.sampling.repetition_penalty is ",
+                                  Num(s.repetition_penalty()), "; must be > 0 (1 disables)"));
+    }
+  }
+  for (const auto& [name, has, value] :
+       {std::tuple{"params.sampling.presence_penalty", s.has_presence_penalty(),
+                   s.presence_penalty()},
+        std::tuple{"params.sampling.frequency_penalty", s.has_frequency_penalty(),
+                   s.frequency_penalty()}}) {
+    if (!has) continue;
+    if (absl::Status st = CheckFinite(name, value); !st.ok()) return st;
+    if (!(value >= -2 && value <= 2)) {
+      return Invalid(absl::StrCat(name, " is ", Num(value), "; must be in [-2, 2]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateImageOptions(const std::string& where, const v1::ImageOptions& options) {
+  if (options.min_pixels() < 0) {
+    return Invalid(absl::StrCat(where, ".min_pixels is ", options.min_pixels(), "; must be >= 0"));
+  }
+  if (options.max_pixels() < 0) {
+    return Invalid(absl::StrCat(where, ".max_pixels is ", options.max_pixels(), "; must be >= 0"));
+  }
+  if (options.min_pixels() > 0 && options.max_pixels() > 0 &&
+      options.min_pixels() > options.max_pixels()) {
+    return Invalid(absl::StrCat(where, ".min_pixels (", options.min_pixels(),
+                                ") is larger than max_pixels (", options.max_pixels(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool IsSha256Hex(std::string_view text) {
+  if (text.size() != 64) return false;
+  for (char c : text) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
+absl::Status ValidateChatRequest(const v1::ChatRequest& request, const ValidationLimits& limits) {
+  if (request.messages().empty()) return Invalid("messages is empty; send at least one message");
+  if (request.messages_size() > limits.max_messages) {
+    return Invalid(absl::StrCat("request has ", request.messages_size(), " messages; max_messages is ",
+                                limits.max_messages));
+  }
+  if (static_cast<int>(request.request_id().size()) > limits.max_request_id_bytes) {
+    return Invalid(absl::StrCat("request_id is ", request.request_id().size(),
+                                " bytes; max_request_id_bytes is ", limits.max_request_id_bytes));
+  }
+  if (absl::Status s = ValidateImageOptions("image_options", request.image_options()); !s.ok()) {
+    return s;
+  }
+
+  int images = 0;
+  int64_t text_bytes = 0;
+  for (int m = 0; m < request.messages_size(); ++m) {
+    const v1::ChatMessage& message = request.messages(m);
+    const std::string where = absl::StrCat("messages[", m, "]");
+    if (message.role() != "system" && message.role() != "user" && message.role() != "assistant") {
+      return Invalid(absl::StrCat(where, ".role is \"", message.role(),
+                                  "\"; must be \"system\", \"user\" or \"assistant\""));
+    }
+    if (message.role() == "system" && m != 0) {
+      return Invalid(absl::StrCat(where, " is a system message; only the first message may be one"));
+    }
+    for (int c = 0; c < message.content_size(); ++c) {
+      const v1::ContentPart& part = message.content(c);
+      switch (part.part_case()) {
+        case v1::ContentPart::kText:
+          text_bytes += static_cast<int64_t>(part.text().size());
+          break;
+        case v1::ContentPart::kImage: {
+          ++images;
+          if (images > limits.max_images_per_request) {
+            int total = 0;
+            for (const auto& msg : request.messages()) {
+              for (const auto& p : msg.content()) total += p.has_image() ? 1 : 0;
+            }
+            return Invalid(absl::StrCat("request has ", total,
+                                        " images; max_images_per_request is ",
+                                        limits.max_images_per_request));
+          }
+          const v1::ImagePart& image = part.image();
+          const std::string name = absl::StrCat("image ", images);
+          if (message.role() != "user") {
+            // The chat template ignores them there; refuse before paying for the encode.
+            return Invalid(absl::StrCat(name, " is in a ", message.role(), " message (", where,
+                                        "); images go in user messages"));
+          }
+          switch (image.source_case()) {
+            case v1::ImagePart::kData:
+              if (image.data().empty()) return Invalid(absl::StrCat(name, " has empty data"));
+              if (static_cast<int64_t>(image.data().size()) > limits.max_image_bytes) {
+                return Invalid(absl::StrCat(name, " is ", image.data().size(),
+                                            " bytes; max_image_bytes is ",
+                                            limits.max_image_bytes));
+              }
+              break;
+            case v1::ImagePart::kContentHash:
+              if (!IsSha256Hex(image.content_hash())) {
+                return Invalid(absl::StrCat(name, " content_hash \"", image.content_hash().substr(0, 80),
+                                            "\" is not a hex SHA-256 (64 hex digits)"));
+              }
+              break;
+            default:
+              return Invalid(absl::StrCat(name, " (", where, ".content[", c,
+                                          "]) has neither data nor content_hash"));
+          }
+          if (absl::Status s = ValidateImageOptions(name + " options", image.options()); !s.ok()) {
+            return s;
+          }
+          break;
+        }
+        default:
+          return Invalid(absl::StrCat(where, ".content[", c, "] has neither text nor image"));
+      }
+    }
+  }
+
+  if (request.messages(request.messages_size() - 1).role() == "assistant") {
+    return Invalid("the last message is an assistant message; end with a user message");
+  }
+
+  const v1::GenerationParams& params = request.params();
+  for (const std::string& stop : params.stop()) text_bytes += static_cast<int64_t>(stop.size());
+  if (text_bytes > limits.max_text_bytes) {
+    return Invalid(absl::StrCat("text is ", text_bytes, " bytes; max_text_bytes is ",
+                                limits.max_text_bytes));
+  }
+  if (params.has_max_tokens() &&
+      (params.max_tokens() < 1 || params.max_tokens() > limits.max_tokens_limit)) {
+    return Invalid(absl::StrCat("params.max_tokens is ", params.max_tokens(),
+                                "; must be in [1, max_tokens_limit=", limits.max_tokens_limit, "]"));
+  }
+  if (params.stop_size() > limits.max_stop_strings) {
+    return Invalid(absl::StrCat("params.stop has ", params.stop_size(),
+                                " strings; max_stop_strings is ", limits.max_stop_strings));
+  }
+  for (int i = 0; i < params.stop_size(); ++i) {
+    if (params.stop(i).empty()) return Invalid(absl::StrCat("params.stop[", i, "] is empty"));
+    if (static_cast<int>(params.stop(i).size()) > limits.max_stop_string_bytes) {
+      return Invalid(absl::StrCat("params.stop[", i, "] is ", params.stop(i).size(),
+                                  " bytes; max_stop_string_bytes is ",
+                                  limits.max_stop_string_bytes));
+    }
+  }
+  if (params.top_logprobs() < 0 || params.top_logprobs() > 20) {
+    return Invalid(absl::StrCat("params.top_logprobs is ", params.top_logprobs(),
+                                "; must be in [0, 20]"));
+  }
+  return ValidateSampling(params.sampling());
+}
+
+}  // namespace vlm::gateway
