@@ -112,9 +112,11 @@ trap shutdown EXIT
 start vision "$VISION_BIN" --model_dir="$MODEL_DIR" \
   --grpc_address="$HOST:$VISION_PORT" --metrics_address="$HOST:$VISION_METRICS_PORT" \
   ${VISION_FLAGS:-}
+# A Generate request carries the ViT features of all its images (about 25 MB
+# per 1024x768 image on the 2B model): allow more than the 128 MiB default.
 start language "$LANGUAGE_BIN" --model_dir="$MODEL_DIR" \
   --grpc_address="$HOST:$LANGUAGE_PORT" --metrics_address="$HOST:$LANGUAGE_METRICS_PORT" \
-  ${LANGUAGE_FLAGS:-}
+  --max_message_mb=1024 ${LANGUAGE_FLAGS:-}
 start gateway "$GATEWAY_BIN" \
   --grpc_address="$HOST:$GATEWAY_PORT" --metrics_address="$HOST:$GATEWAY_METRICS_PORT" \
   --language_target="$HOST:$LANGUAGE_PORT" --vision_targets="$HOST:$VISION_PORT" \

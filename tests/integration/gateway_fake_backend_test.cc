@@ -275,6 +275,7 @@ class Gateway {
 
   v1::VisionLanguage::Stub& stub() { return *stub_; }
   VisionRouter& router() { return *router_; }
+  Admission& admission() { return *admission_; }
 
  private:
   Server server_;
@@ -607,7 +608,7 @@ TEST_F(GatewayFakeTest, AdmissionRefusesBeyondTheQueueAndHealthStaysFast) {
     });
   }
   ASSERT_TRUE(Eventually([&] { return language_.running() == 2; }));
-  absl::SleepFor(absl::Milliseconds(50));  // the third is queued by now
+  ASSERT_TRUE(Eventually([&] { return g.admission().queued() == 1; }));
   v1::ChatResponse r;
   grpc::Status s = Chat(g, Request("hi"), &r);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
