@@ -15,6 +15,8 @@ PACKAGES=(
   # tests and tools
   libgtest-dev libgmock-dev python3 python3-numpy python3-torch python3-pil python3-grpcio
   prometheus
+  # deploy checks: manifests (python3-yaml), compose schema (docker-compose)
+  python3-yaml docker-compose
   # gRPC / protobuf / abseil
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev grpc-proto
   # LibTorch (CPU) + a real BLAS (without it LibTorch falls back to reference BLAS)
