@@ -13,6 +13,9 @@ namespace vlm {
 grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+// "INVALID_ARGUMENT" etc.: the canonical name, for logs, metric labels and CLIs.
+const char* GrpcCodeName(grpc::StatusCode code);
+
 }  // namespace vlm
 
 #endif  // VLM_COMMON_GRPC_STATUS_H_

@@ -1,3 +1,4 @@
+#include "common/grpc_status.h"
 #include "services/gateway/backend_call.h"
 
 #include <grpcpp/create_channel.h>
@@ -44,29 +45,6 @@ std::unique_ptr<grpc::ClientContext> BackendContext(const grpc::ServerContextBas
   return context;
 }
 
-const char* StatusCodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
-  }
-}
-
 grpc::Status MapVisionError(int image_number, const grpc::Status& status,
                             std::string_view replica, int attempts) {
   if (status.ok()) return status;
@@ -98,7 +76,7 @@ grpc::Status MapVisionError(int image_number, const grpc::Status& status,
     default:
       return grpc::Status(grpc::StatusCode::INTERNAL,
                           absl::StrCat(image, ": vision service failed (",
-                                       StatusCodeName(status.error_code()), "): ", message));
+                                       GrpcCodeName(status.error_code()), "): ", message));
   }
 }
 
@@ -135,7 +113,7 @@ grpc::Status MapLanguageError(const grpc::Status& status, int completion_chunks)
     default:
       return grpc::Status(grpc::StatusCode::INTERNAL,
                           absl::StrCat("language service failed (",
-                                       StatusCodeName(status.error_code()), "): ", message,
+                                       GrpcCodeName(status.error_code()), "): ", message,
                                        progress));
   }
 }

@@ -40,8 +40,6 @@ std::unique_ptr<grpc::ClientContext> BackendContext(const grpc::ServerContextBas
 // grpc's deadline type <-> absl::Time (time_point::max() is InfiniteFuture()).
 absl::Time FromGrpcDeadline(std::chrono::system_clock::time_point deadline);
 
-// "INVALID_ARGUMENT", ...
-const char* StatusCodeName(grpc::StatusCode code);
 
 // A vision error for image `image_number` (1-based, in request order), after
 // `attempts` calls, the last one on `replica`:

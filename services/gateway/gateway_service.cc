@@ -155,7 +155,7 @@ grpc::Status GatewayService::Logged(const char* rpc, grpc::ServerContext* contex
   Log(level, "gateway", "chat",
       {{"rpc", rpc},
        {"request_id", record.request_id},
-       {"code", StatusCodeName(status.error_code())},
+       {"code", GrpcCodeName(status.error_code())},
        {"error", status.error_message()},
        {"images", record.images},
        {"cache_hits", record.cache_hits},

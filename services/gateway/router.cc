@@ -1,3 +1,4 @@
+#include "common/grpc_status.h"
 #include "services/gateway/router.h"
 
 #include <arpa/inet.h>
@@ -313,7 +314,7 @@ VisionRouter::EncodeOutcome VisionRouter::Encode(const grpc::ServerContextBase* 
     outcome.attempts = attempt + 1;
     Metrics()
         .calls.Add({{"replica", replica.name},
-                    {"code", StatusCodeName(outcome.status.error_code())}})
+                    {"code", GrpcCodeName(outcome.status.error_code())}})
         .Increment();
     if (outcome.status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
     LogWarning("gateway", "vision replica unavailable",
