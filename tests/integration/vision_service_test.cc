@@ -720,7 +720,7 @@ TEST(VisionServiceQueueTest, FullQueueIsRefusedAndExpiredWaitersAreNeverComputed
   });
   ASSERT_TRUE(wait_for(busy));
   v1::EncodeResponse response;
-  grpc::Status expired = p.Encode(ImageRequest(small1), &response, absl::Milliseconds(150));
+  grpc::Status expired = p.Encode(ImageRequest(small1), &response, absl::Milliseconds(100));
   EXPECT_EQ(expired.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << expired.error_message();
   const grpc::Status first_status = first.get();
   ASSERT_TRUE(first_status.ok()) << first_status.error_message();
