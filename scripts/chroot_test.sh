@@ -14,7 +14,10 @@ if [[ "${KEEP:-0}" != 1 || ! -x "$CHROOT_DIR/bin/bash" ]]; then
   rm -rf "$CHROOT_DIR"
   debootstrap --variant=minbase bookworm "$CHROOT_DIR" "$MIRROR"
 fi
+# A chroot shares the host's network: give it the host's name resolution
+# (debootstrap writes no /etc/hosts, so even "localhost" would not resolve).
 cp /etc/resolv.conf "$CHROOT_DIR/etc/resolv.conf"
+cp /etc/hosts "$CHROOT_DIR/etc/hosts"
 # The workplace reaches registries through a TLS-intercepting egress proxy whose
 # CA every machine here trusts (/usr/local/share/ca-certificates, and
 # NODE_EXTRA_CA_CERTS in the environment). Give the chroot the same trust; the
