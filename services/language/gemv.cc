@@ -145,6 +145,9 @@ VLM_TARGET_BF16 void RowsAvx512Bf16(const Input& in, const Matrix& m, int64_t r0
   int64_t r = r0;
   for (; r + kRowTile <= r1; r += kRowTile) TileGroupsAvx512Bf16<kRowTile>(in, m, r);
   for (; r < r1; ++r) TileGroupsAvx512Bf16<1>(in, m, r);
+  // Leave the upper vector state clean: callers run SSE code next (without
+  // this, the sampler measured 55 ms instead of 2 ms per 151936-wide row).
+  _mm256_zeroupper();
 }
 
 // ---------------------------------------------------------------------------
@@ -212,6 +215,9 @@ VLM_TARGET_AVX512 void RowsAvx512(const Input& in, const Matrix& m, int64_t r0, 
   int64_t r = r0;
   for (; r + kRowTile <= r1; r += kRowTile) TileGroupsAvx512<kRowTile>(in, m, r);
   for (; r < r1; ++r) TileGroupsAvx512<1>(in, m, r);
+  // Leave the upper vector state clean: callers run SSE code next (without
+  // this, the sampler measured 55 ms instead of 2 ms per 151936-wide row).
+  _mm256_zeroupper();
 }
 
 // ---------------------------------------------------------------------------
@@ -283,6 +289,9 @@ VLM_TARGET_AVX2 void RowsAvx2(const Input& in, const Matrix& m, int64_t r0, int6
   int64_t r = r0;
   for (; r + kRowTile <= r1; r += kRowTile) TileGroupsAvx2<kRowTile>(in, m, r);
   for (; r < r1; ++r) TileGroupsAvx2<1>(in, m, r);
+  // Leave the upper vector state clean: callers run SSE code next (without
+  // this, the sampler measured 55 ms instead of 2 ms per 151936-wide row).
+  _mm256_zeroupper();
 }
 
 // ---------------------------------------------------------------------------
