@@ -619,21 +619,28 @@ void PageRange(const MappedFile& file, uint64_t begin, uint64_t end, uint8_t** s
   *len = static_cast<size_t>(last - first);
 }
 
+// madvise over the whole pages a tensor covers; errors name file and tensor.
+absl::Status AdvisePages(const MappedFile& file, const std::string& path, const TensorInfo& t,
+                         int advice, const char* what) {
+  if (t.nbytes() == 0) return absl::OkStatus();
+  uint8_t* start;
+  size_t len;
+  PageRange(file, t.data_begin, t.data_end, &start, &len);
+  if (madvise(start, len, advice) != 0) {
+    return absl::InternalError(
+        absl::StrCat(PosixError(what, path, errno), " (tensor ", Quote(t.name), ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status SafetensorsCheckpoint::Prefetch(const std::string& name) const {
   auto info = Info(name);
   if (!info.ok()) return info.status();
   const TensorInfo& t = **info;
-  if (t.nbytes() == 0) return absl::OkStatus();
-  uint8_t* start;
-  size_t len;
-  PageRange(*maps_[t.file_index], t.data_begin, t.data_end, &start, &len);
-  if (madvise(start, len, MADV_WILLNEED) != 0) {
-    return absl::InternalError(absl::StrCat(PosixError("madvise(WILLNEED)", files_[t.file_index], errno),
-                                            " (tensor ", Quote(name), ")"));
-  }
-  return absl::OkStatus();
+  return AdvisePages(*maps_[t.file_index], files_[t.file_index], t, MADV_WILLNEED,
+                     "madvise(WILLNEED)");
 }
 
 absl::Status SafetensorsCheckpoint::Touch(const std::string& name) const {
@@ -653,15 +660,8 @@ absl::Status SafetensorsCheckpoint::Evict(const std::string& name) const {
   auto info = Info(name);
   if (!info.ok()) return info.status();
   const TensorInfo& t = **info;
-  if (t.nbytes() == 0) return absl::OkStatus();
-  uint8_t* start;
-  size_t len;
-  PageRange(*maps_[t.file_index], t.data_begin, t.data_end, &start, &len);
-  if (madvise(start, len, MADV_DONTNEED) != 0) {
-    return absl::InternalError(absl::StrCat(PosixError("madvise(DONTNEED)", files_[t.file_index], errno),
-                                            " (tensor ", Quote(name), ")"));
-  }
-  return absl::OkStatus();
+  return AdvisePages(*maps_[t.file_index], files_[t.file_index], t, MADV_DONTNEED,
+                     "madvise(DONTNEED)");
 }
 
 std::vector<std::string> SafetensorsCheckpoint::Names() const {
