@@ -215,11 +215,12 @@ void PrintStats(const vlm::v1::ChatChunk& last) {
   const auto& u = last.usage();
   const auto& t = last.timings();
   std::fprintf(stderr,
-               "[finish=%s prompt_tokens=%d image_tokens=%d completion_tokens=%d]\n"
+               "[finish=%s prompt_tokens=%d image_tokens=%d cached_prompt_tokens=%d "
+               "completion_tokens=%d]\n"
                "[ms: queue %.1f, vision %.1f, projector %.1f, prefill %.1f, first token %.1f, "
                "decode %.1f, total %.1f]\n",
                FinishName(last.finish_reason()), u.prompt_tokens(), u.image_tokens(),
-               u.completion_tokens(), t.queue_ms(), t.vision_ms(), t.projector_ms(),
+               u.cached_prompt_tokens(), u.completion_tokens(), t.queue_ms(), t.vision_ms(), t.projector_ms(),
                t.prefill_ms(), t.first_token_ms(), t.decode_ms(), t.total_ms());
   for (int i = 0; i < last.images_size(); ++i) {
     const auto& im = last.images(i);

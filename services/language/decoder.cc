@@ -466,4 +466,30 @@ absl::StatusOr<at::Tensor> Decoder::DecodeStep(Sequence& seq, int32_t token_id) 
   }
 }
 
+// ---------------------------------------------------------------------------
+// Paged, batched forward (not implemented yet)
+// ---------------------------------------------------------------------------
+
+uint64_t KvStorage::bytes() const {
+  uint64_t total = 0;
+  for (const at::Tensor& t : k) total += t.nbytes();
+  for (const at::Tensor& t : v) total += t.nbytes();
+  return total;
+}
+
+uint64_t Decoder::kv_bytes_per_token() const {
+  const TextConfig& c = config_.text;
+  const uint64_t elem = compute_dtype_ == ComputeDType::kBFloat16 ? 2 : 4;
+  return 2ull * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem;
+}
+
+absl::StatusOr<KvStorage> Decoder::NewKvStorage(int64_t num_blocks, int64_t block_size) const {
+  return absl::UnimplementedError("paged KV storage is not implemented yet");
+}
+
+absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
+                                            absl::Span<const SequenceChunk> chunks) const {
+  return absl::UnimplementedError("batched forward is not implemented yet");
+}
+
 }  // namespace vlm::language

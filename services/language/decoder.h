@@ -104,6 +104,57 @@ struct PrefillInput {
   bool all_logits = false;
 };
 
+
+// ---------------------------------------------------------------------------
+// Batched forward over a paged KV cache (the serving engine's model runner).
+// ---------------------------------------------------------------------------
+
+// The paged KV cache's storage: per layer, K and V as
+// [num_blocks, kv_heads, block_size, head_dim] in the compute dtype. Which
+// block belongs to which sequence is the caller's business (block tables);
+// the decoder only reads and writes the blocks a chunk's table names.
+struct KvStorage {
+  int64_t num_blocks = 0;
+  int64_t block_size = 0;  // tokens per block
+  std::vector<at::Tensor> k, v;  // one per decoder layer
+  uint64_t bytes() const;        // K and V of every layer
+};
+
+// The tokens one sequence contributes to one forward pass: a prompt chunk or
+// one decode token, at cache indices [start, start + n).
+struct SequenceChunk {
+  absl::Span<const int32_t> token_ids;  // n >= 1
+  int64_t start = 0;  // cache index of token_ids[0]; indices < start are already in the KV
+  // Blocks holding cache indices [0, start + n): entry i holds indices
+  // [i*block_size, (i+1)*block_size). At least ceil((start+n)/block_size) entries.
+  absl::Span<const int32_t> block_table;
+  at::Tensor positions;  // [3, n] int64 MRoPE positions (t, h, w) of the n tokens
+  // Projector rows for the image-pad tokens among token_ids, in order:
+  // [V, hidden] (bf16 or f32; undefined when V = 0), and one [V, hidden] per
+  // deepstack level (added after decoder layer `level` at those tokens).
+  at::Tensor image_embeds;
+  std::vector<at::Tensor> deepstack;
+  // true: one generated token (n == 1); it takes the decode path (Gemv
+  // projections in bf16). false: prompt rows (prefill path).
+  bool decode = false;
+  bool logits = false;  // return float32 logits of the chunk's last token
+};
+
+// Contract of Decoder::Forward (what the engine relies on):
+// - Writes the K/V of every chunk's tokens into its blocks and returns the
+//   float32 logits [R, vocab] of the chunks with logits = true, in order
+//   (R = their count; an undefined tensor when R = 0).
+// - Batch invariance: a chunk's K/V and logits are bit-identical whatever
+//   other chunks share the pass, and a prompt's K/V and last-token logits do
+//   not depend on how it was cut into chunks (prefill rows always take the
+//   same row-invariant path, decode rows always theirs). This is what makes a
+//   prefix-cache hit and a batched run give the same tokens as a lone cold run.
+// - Chunks of one pass must belong to different sequences (disjoint blocks,
+//   except read-only shared prefix blocks below every chunk's start).
+// - INVALID_ARGUMENT (naming the chunk and field) for bad ids, shapes,
+//   positions or block tables; on error nothing is guaranteed about the
+//   blocks the pass would have written (the caller drops those sequences).
+
 class Decoder {
  public:
   // Checks every decoder tensor (presence, shape, tied-head rule of spec §2),
@@ -133,6 +184,14 @@ class Decoder {
   // s + seq.rope_delta(), and returns its float32 logits [vocab].
   // OUT_OF_RANGE when the sequence is full.
   absl::StatusOr<at::Tensor> DecodeStep(Sequence& seq, int32_t token_id) const;
+
+  // Paged KV storage for `num_blocks` blocks of `block_size` tokens
+  // (RESOURCE_EXHAUSTED when it cannot be allocated).
+  absl::StatusOr<KvStorage> NewKvStorage(int64_t num_blocks, int64_t block_size) const;
+  // KV bytes one token occupies (all layers, K and V), for sizing a budget.
+  uint64_t kv_bytes_per_token() const;
+  // One forward pass over chunks of several sequences (see the contract above).
+  absl::StatusOr<at::Tensor> Forward(KvStorage& kv, absl::Span<const SequenceChunk> chunks) const;
 
   const ModelConfig& config() const { return config_; }
   ComputeDType compute_dtype() const { return compute_dtype_; }
