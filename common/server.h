@@ -45,7 +45,11 @@
 // vlm_grpc_server_inflight_requests.
 //
 // Flags (env VLM_<NAME> too): --grpc_address, --metrics_address,
-// --max_message_mb, --drain_timeout_s. A service with other defaults sets them
+// --max_message_mb, --drain_timeout_s, and TLS for the gRPC port (common/tls.h):
+// --tls_cert + --tls_key serve TLS, --tls_client_ca also requires client
+// certificates signed by that CA (mTLS), --tls_refresh_s is how often the files
+// are re-read (rotation without a restart). The metrics HTTP port stays plain
+// HTTP: it carries /metrics, /healthz and /readyz for scrapers and probes. A service with other defaults sets them
 // before ParseCommandLine: absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052").
 #ifndef VLM_COMMON_SERVER_H_
 #define VLM_COMMON_SERVER_H_
@@ -65,11 +69,16 @@
 #include "absl/time/time.h"
 #include "common/metrics.h"
 #include "common/readiness.h"
+#include "common/tls.h"
 
 ABSL_DECLARE_FLAG(std::string, grpc_address);
 ABSL_DECLARE_FLAG(std::string, metrics_address);
 ABSL_DECLARE_FLAG(int, max_message_mb);
 ABSL_DECLARE_FLAG(double, drain_timeout_s);
+ABSL_DECLARE_FLAG(std::string, tls_cert);
+ABSL_DECLARE_FLAG(std::string, tls_key);
+ABSL_DECLARE_FLAG(std::string, tls_client_ca);
+ABSL_DECLARE_FLAG(double, tls_refresh_s);
 
 namespace vlm {
 
@@ -81,6 +90,7 @@ struct ServerOptions {
   int max_message_mb = 128;                      // send and receive limit per message
   absl::Duration drain_timeout = absl::Seconds(25);
   bool handle_signals = true;  // SIGTERM/SIGINT handlers from Start() until the drain ends
+  TlsServerFiles tls;          // not enabled(): plaintext gRPC
 
   static ServerOptions FromFlags();
 };
@@ -102,7 +112,8 @@ class Server {
   // Starts the metrics HTTP server and the gRPC server, installs the signal
   // handlers, logs and prints to stdout the line
   //   vlm: listening grpc=HOST:PORT metrics=HOST:PORT
-  // (metrics=none when disabled). Errors: cannot bind, bad address.
+  // (metrics=none when disabled). Errors: cannot bind, bad address, bad TLS
+  // files (InvalidArgument naming the file).
   absl::Status Start();
 
   int grpc_port() const { return grpc_port_; }

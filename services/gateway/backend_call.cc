@@ -25,7 +25,11 @@ std::shared_ptr<grpc::Channel> CreateBackendChannel(const std::string& target,
   // Each backend gets its own connection, not one shared through gRPC's
   // global subchannel pool (a replica's channel is torn down when DNS drops it).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (options.credentials == nullptr) {
+    return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  }
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  return grpc::CreateCustomChannel(target, options.credentials, args);
 }
 
 absl::Time FromGrpcDeadline(std::chrono::system_clock::time_point deadline) {

@@ -7,6 +7,7 @@
 
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/server_context.h>
 #include <grpcpp/support/status.h>
 
@@ -23,10 +24,15 @@ struct ChannelOptions {
   // default grows to 120 s; a restarted backend should be found within about this).
   absl::Duration min_reconnect_backoff = absl::Milliseconds(100);
   absl::Duration max_reconnect_backoff = absl::Seconds(1);
+  // Shared by every backend channel (common/tls.h MakeChannelCredentials);
+  // null means plaintext. `tls_server_name`, if set, is the name the
+  // backends' certificates carry (targets are pod IPs from DNS, not that name).
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  std::string tls_server_name;
 };
 
-// An insecure channel to `target` ("host:port") with no message size limit
-// (the backends' servers enforce theirs) and the reconnect backoff above.
+// A channel to `target` ("host:port") with `options.credentials`, no message
+// size limit (the backends' servers enforce theirs) and the reconnect backoff above.
 std::shared_ptr<grpc::Channel> CreateBackendChannel(const std::string& target,
                                                     const ChannelOptions& options);
 

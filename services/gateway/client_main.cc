@@ -3,6 +3,7 @@
 //   vlm-client --image cat.jpg "What is in this picture?"   # streams the answer
 //   vlm-client --json --image cat.jpg "Describe it."          # the full response as JSON
 //   vlm-client health [--wait 60]                             # SERVING? (exit 0 if so)
+//   vlm-client --target gw:443 --tls_ca ca.pem health          # connection options go anywhere
 //
 // Errors print "error: CODE: message" on stderr and exit non-zero
 // (1: the call failed or the service is not serving, 2: bad usage).
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "common/grpc_status.h"
+#include "common/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "vlm/v1/gateway.grpc.pb.h"
 
@@ -30,10 +32,17 @@ namespace {
 
 constexpr char kUsage[] = R"(usage:
   vlm-client [options] PROMPT...        chat: streams the answer to stdout
-  vlm-client health [--wait SECONDS] [--service NAME] [--target HOST:PORT]
+  vlm-client health [--wait SECONDS] [--service NAME]
+
+connection options (before or after the subcommand):
+  --target HOST:PORT       gateway address (default $VLM_TARGET or localhost:50051)
+  --tls-ca PATH            PEM CA bundle of the gateway's certificate; any --tls-* option
+                           makes the connection TLS (no --tls-ca: the system's roots)
+  --tls-cert PATH          PEM client certificate (mTLS), with --tls-key
+  --tls-key PATH           PEM private key of --tls-cert
+  --tls-server-name NAME   name the gateway's certificate must carry (default: the target host)
 
 chat options:
-  --target HOST:PORT       gateway address (default $VLM_TARGET or localhost:50051)
   --image PATH             attach an image (JPEG, PNG, WebP); repeatable, in order
   --image-hash SHA256      attach an image sent before, by its content hash; repeatable
   --system TEXT            system prompt
@@ -124,27 +133,48 @@ bool ParseNumber(const std::string& text, T* out) {
   return !in.fail() && in.eof();
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
-}
-
 std::string DefaultTarget() {
   const char* env = std::getenv("VLM_TARGET");
   return env != nullptr && *env != '\0' ? env : "localhost:50051";
 }
 
+// Where and how to connect; the options are accepted before and after the subcommand.
+struct Connection {
+  std::string target = DefaultTarget();
+  vlm::TlsChannelFiles tls;
+
+  // Consumes the next argument if it is a connection option (`error` is set
+  // when its value is missing).
+  bool Parse(Args& args, std::string* error) {
+    return args.Value("target", &target, error) || args.Value("tls-ca", &tls.ca, error) ||
+           args.Value("tls-cert", &tls.cert, error) || args.Value("tls-key", &tls.key, error) ||
+           args.Value("tls-server-name", &tls.server_name, error);
+  }
+};
+
+// Null after printing the error (bad TLS files).
+std::shared_ptr<grpc::Channel> MakeChannel(const Connection& connection) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      vlm::MakeChannelCredentials(connection.tls);
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "vlm-client: %s\n", std::string(credentials.status().message()).c_str());
+    return nullptr;
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  vlm::ApplyTlsChannelArgs(connection.tls, &args);
+  return grpc::CreateCustomChannel(connection.target, *credentials, args);
+}
+
 // --- health ---------------------------------------------------------------
 
-int Health(Args& args) {
-  std::string target = DefaultTarget();
+int Health(Args& args, Connection connection) {
   std::string service;
   double wait_s = 0;
   while (!args.Done()) {
     std::string value, error;
-    if (args.Value("target", &target, &error) || args.Value("service", &service, &error)) {
+    if (connection.Parse(args, &error) || args.Value("service", &service, &error)) {
       if (!error.empty()) return UsageError(error);
       continue;
     }
@@ -159,7 +189,9 @@ int Health(Args& args) {
     }
     return UsageError("unexpected argument " + args.Peek());
   }
-  auto stub = grpc::health::v1::Health::NewStub(MakeChannel(target));
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(connection);
+  if (channel == nullptr) return 2;
+  auto stub = grpc::health::v1::Health::NewStub(channel);
   const auto give_up = std::chrono::steady_clock::now() +
                        std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
   for (;;) {
@@ -234,8 +266,7 @@ void PrintStats(const vlm::v1::ChatChunk& last) {
   }
 }
 
-int Chat(Args& args) {
-  std::string target = DefaultTarget();
+int Chat(Args& args, Connection connection) {
   vlm::v1::ChatRequest request;
   vlm::v1::ChatMessage user;
   user.set_role("user");
@@ -257,7 +288,7 @@ int Chat(Args& args) {
       setter(x);
       return 0;
     };
-    if (args.Value("target", &target, &error) || args.Value("system", &system, &error) ||
+    if (connection.Parse(args, &error) || args.Value("system", &system, &error) ||
         args.Value("request-id", request.mutable_request_id(), &error)) {
       if (!error.empty()) return UsageError(error);
       continue;
@@ -343,7 +374,9 @@ int Chat(Args& args) {
   }
   *request.add_messages() = std::move(user);
 
-  auto stub = vlm::v1::VisionLanguage::NewStub(MakeChannel(target));
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(connection);
+  if (channel == nullptr) return 2;
+  auto stub = vlm::v1::VisionLanguage::NewStub(channel);
   grpc::ClientContext context;
   if (deadline_s > 0) {
     context.set_deadline(std::chrono::system_clock::now() +
@@ -386,10 +419,17 @@ int Chat(Args& args) {
 
 int main(int argc, char** argv) {
   Args args(argc, argv);
+  // Connection options may come first: `vlm-client --target X health`.
+  Connection connection;
+  while (!args.Done()) {
+    std::string error;
+    if (!connection.Parse(args, &error)) break;
+    if (!error.empty()) return UsageError(error);
+  }
   if (!args.Done() && args.Peek() == "health") {
     args.Next();
-    return Health(args);
+    return Health(args, connection);
   }
   if (args.Done()) return UsageError("no prompt given");
-  return Chat(args);
+  return Chat(args, connection);
 }

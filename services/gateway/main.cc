@@ -15,6 +15,7 @@
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/server.h"
+#include "common/tls.h"
 #include "services/gateway/admission.h"
 #include "services/gateway/backend_call.h"
 #include "services/gateway/backend_health.h"
@@ -34,6 +35,15 @@ ABSL_FLAG(int, vision_max_attempts, 3,
 ABSL_FLAG(int, vision_retry_backoff_ms, 25, "wait before the second Encode call; doubles after");
 ABSL_FLAG(int, backend_reconnect_max_ms, 1000,
           "longest wait between reconnection attempts to a backend (channels and health watches)");
+// --- TLS towards the backends (vision and language); see common/tls.h -------
+ABSL_FLAG(std::string, backend_tls_ca, "",
+          "PEM CA bundle that signed the backends' certificates; setting any --backend_tls_* "
+          "flag makes the backend channels TLS");
+ABSL_FLAG(std::string, backend_tls_cert, "",
+          "PEM client certificate presented to the backends (mTLS), with --backend_tls_key");
+ABSL_FLAG(std::string, backend_tls_key, "", "PEM private key of --backend_tls_cert");
+ABSL_FLAG(std::string, backend_tls_server_name, "",
+          "name the backends' certificates must carry (the targets are addresses, e.g. pod IPs)");
 ABSL_FLAG(int, max_inflight, 8, "chat requests running at once");
 ABSL_FLAG(int, max_queue, 32,
           "chat requests waiting for a slot; beyond it requests get RESOURCE_EXHAUSTED");
@@ -70,6 +80,24 @@ int main(int argc, char** argv) {
   channel.max_reconnect_backoff = absl::Milliseconds(absl::GetFlag(FLAGS_backend_reconnect_max_ms));
   HealthWatchOptions health_options;
   health_options.retry_max = channel.max_reconnect_backoff;
+  vlm::TlsChannelFiles backend_tls;
+  backend_tls.ca = absl::GetFlag(FLAGS_backend_tls_ca);
+  backend_tls.cert = absl::GetFlag(FLAGS_backend_tls_cert);
+  backend_tls.key = absl::GetFlag(FLAGS_backend_tls_key);
+  backend_tls.server_name = absl::GetFlag(FLAGS_backend_tls_server_name);
+  backend_tls.refresh = absl::Seconds(absl::GetFlag(FLAGS_tls_refresh_s));
+  if (backend_tls.enabled()) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+        vlm::MakeChannelCredentials(backend_tls);
+    if (!credentials.ok()) {
+      vlm::LogError(kComponent, "bad --backend_tls_* flags",
+                    {{"error", credentials.status().ToString()}});
+      return 2;
+    }
+    channel.credentials = *credentials;
+    channel.tls_server_name = backend_tls.server_name;
+  }
+  vlm::LogInfo(kComponent, "backend channels", {{"tls", vlm::DescribeTls(backend_tls)}});
 
   VisionRouterOptions router_options;
   router_options.dns_target = absl::GetFlag(FLAGS_vision_dns);

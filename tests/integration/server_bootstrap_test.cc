@@ -4,22 +4,15 @@
 //
 // This binary is a reflection *client*; it must not link grpc++_reflection
 // (toolchain.md, trap 2), so it compiles reflection.proto itself.
-#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <functional>
 #include <memory>
-#include <optional>
-#include <regex>
 #include <set>
 #include <string>
 #include <thread>
@@ -30,10 +23,9 @@
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "tests/integration/service_process.h"
 #include "tests/unit/metrics_text.h"
 #include "vlm/v1/vision.grpc.pb.h"
-
-extern char** environ;
 
 namespace vlm {
 namespace {
@@ -43,107 +35,22 @@ using grpc::health::v1::HealthCheckResponse;
 
 constexpr char kService[] = "vlm.v1.VisionEncoder";
 
-// One vlm-test-server process; killed (SIGKILL) on destruction if still running.
-class ServerProcess {
+using testing::Eventually;
+
+// One vlm-test-server process (tests/integration/service_process.h); killed
+// (SIGKILL) on destruction if still running.
+class ServerProcess : public testing::ServiceProcess {
  public:
-  ServerProcess(const std::vector<std::string>& flags, const std::vector<std::string>& env = {}) {
-    std::vector<std::string> args = {VLM_TEST_SERVER_PATH};
-    args.insert(args.end(), flags.begin(), flags.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    std::vector<std::string> env_strings = env;
-    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-    std::vector<char*> envp;
-    for (auto& e : env_strings) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-
-    int out[2];
-    if (pipe2(out, O_CLOEXEC) != 0) return;
-    const pid_t parent = getpid();
-    pid_ = fork();
-    if (pid_ == 0) {
-      // Only async-signal-safe calls between fork and exec.
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test
-      if (getppid() != parent) _exit(127);
-      dup2(out[1], STDOUT_FILENO);
-      execve(argv[0], argv.data(), envp.data());
-      _exit(127);
-    }
-    close(out[1]);
-    stdout_fd_ = out[0];
-  }
-
-  ~ServerProcess() {
-    if (pid_ > 0 && !reaped_) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (stdout_fd_ >= 0) close(stdout_fd_);
-  }
-
-  pid_t pid() const { return pid_; }
-
-  // Reads stdout up to the "vlm: listening grpc=... metrics=..." line.
-  bool WaitListening(absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    std::string buffer;
-    static const std::regex kLine(R"(vlm: listening grpc=(\S+):(\d+) metrics=(\S+):(\d+))");
-    while (absl::Now() < deadline) {
-      pollfd pfd{stdout_fd_, POLLIN, 0};
-      if (poll(&pfd, 1, 100) <= 0) continue;
-      char chunk[512];
-      ssize_t n = read(stdout_fd_, chunk, sizeof(chunk));
-      if (n <= 0) return false;  // the process closed stdout: it exited
-      buffer.append(chunk, static_cast<size_t>(n));
-      std::smatch m;
-      if (std::regex_search(buffer, m, kLine)) {
-        grpc_host = m[1];
-        grpc_port = std::stoi(m[2]);
-        metrics_host = m[3];
-        metrics_port = std::stoi(m[4]);
-        return true;
-      }
-    }
-    return false;
-  }
-
-  // The exit code (negative: killed by that signal), or nullopt on timeout.
-  std::optional<int> WaitExit(absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    do {
-      int status = 0;
-      pid_t r = waitpid(pid_, &status, WNOHANG);
-      if (r == pid_) {
-        reaped_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    } while (absl::Now() < deadline);
-    return std::nullopt;
-  }
-
-  std::string grpc_target() const { return grpc_host + ":" + std::to_string(grpc_port); }
-
-  std::string grpc_host;
-  int grpc_port = 0;
-  std::string metrics_host;
-  int metrics_port = 0;
+  explicit ServerProcess(const std::vector<std::string>& flags,
+                         const std::vector<std::string>& env = {})
+      : ServiceProcess(VLM_TEST_SERVER_PATH, flags, NextLogPrefix(), env) {}
 
  private:
-  pid_t pid_ = -1;
-  int stdout_fd_ = -1;
-  bool reaped_ = false;
-};
-
-bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (condition()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
+  static std::string NextLogPrefix() {
+    static int count = 0;
+    return testing::TestLogDir("server_bootstrap_test") + "/server-" + std::to_string(++count);
   }
-  return condition();
-}
+};
 
 std::string HealthCheck(grpc::health::v1::Health::Stub& stub, const std::string& service) {
   grpc::ClientContext ctx;

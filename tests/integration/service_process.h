@@ -1,18 +1,26 @@
-// A service binary run as a child process for integration tests: started with
-// flags, its "vlm: listening grpc=HOST:PORT metrics=HOST:PORT" line read from
-// stdout, stopped with a signal. stdout and stderr go to files (never a pipe
-// that could fill up), so a failing test can print the log's tail.
+// The process harness of the integration tests: a service binary run as a
+// child process, started with flags (and extra environment), its
+// "vlm: listening grpc=HOST:PORT metrics=HOST:PORT" line read from stdout,
+// signalled (SIGTERM, SIGKILL, SIGSTOP/SIGCONT) and reaped. stdout and stderr
+// go to files (never a pipe that could fill up), so a failing test can print
+// the log's tail. The child gets SIGKILL if the test process dies, and the
+// destructor kills and reaps it, so no test leaves a process behind.
+//
+// Not thread-safe: one thread drives a ServiceProcess.
 #ifndef VLM_TESTS_INTEGRATION_SERVICE_PROCESS_H_
 #define VLM_TESTS_INTEGRATION_SERVICE_PROCESS_H_
 
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <regex>
 #include <sstream>
@@ -22,18 +30,50 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
+extern char** environ;
+
 namespace vlm::testing {
+
+// A directory for the logs of `suite` under $VLM_BINARY_DIR/tests (ctest sets
+// it), else under $TMPDIR or /tmp; created if missing. Ends without '/'.
+inline std::string TestLogDir(const std::string& suite) {
+  const char* binary_dir = std::getenv("VLM_BINARY_DIR");
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string root = binary_dir != nullptr ? std::string(binary_dir) + "/tests"
+                           : tmp != nullptr      ? std::string(tmp)
+                                                 : std::string("/tmp");
+  const std::string dir = root + "/" + suite + "_logs";
+  ::mkdir(root.c_str(), 0755);
+  ::mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+// Polls `condition` every 20 ms until it holds or `timeout` passes; returns its last value.
+inline bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (condition()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return condition();
+}
 
 class ServiceProcess {
  public:
   // Starts `binary` with `flags`; output goes to `log_prefix`.out / .err.
-  ServiceProcess(std::string binary, std::vector<std::string> flags, std::string log_prefix)
+  // `env` ("NAME=value") is added to this process's environment.
+  ServiceProcess(std::string binary, std::vector<std::string> flags, std::string log_prefix,
+                 std::vector<std::string> env = {})
       : out_path_(log_prefix + ".out"), err_path_(log_prefix + ".err") {
     std::vector<std::string> args = {std::move(binary)};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    std::vector<char*> envp;
+    for (auto& e : env) envp.push_back(e.data());  // the first NAME= wins in getenv
+    envp.push_back(nullptr);
     const int out = ::open(out_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     const int err = ::open(err_path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     const pid_t parent = ::getpid();
@@ -44,7 +84,7 @@ class ServiceProcess {
       if (::getppid() != parent) ::_exit(127);
       ::dup2(out, STDOUT_FILENO);
       ::dup2(err, STDERR_FILENO);
-      ::execv(argv[0], argv.data());
+      ::execve(argv[0], argv.data(), envp.data());
       ::_exit(127);
     }
     ::close(out);
@@ -59,17 +99,16 @@ class ServiceProcess {
 
   // Waits for the listening line; false if the process exits first or on timeout.
   bool WaitListening(absl::Duration timeout = absl::Seconds(60)) {
-    static const std::regex kLine(R"(vlm: listening grpc=(\S+):(\d+) metrics=(\S+):(\d+))");
+    static const std::regex kLine(R"(vlm: listening grpc=(\S+):(\d+) metrics=(\S+?)(?::(\d+))?\s)");
     const absl::Time deadline = absl::Now() + timeout;
     while (absl::Now() < deadline) {
-      std::ifstream in(out_path_);
-      std::stringstream text;
-      text << in.rdbuf();
-      const std::string s = text.str();
+      const std::string s = Stdout();
       std::smatch m;
       if (std::regex_search(s, m, kLine)) {
+        grpc_host = m[1];
         grpc_port = std::stoi(m[2]);
-        metrics_port = std::stoi(m[4]);
+        metrics_host = m[3];
+        metrics_port = m[4].matched ? std::stoi(m[4]) : 0;
         return true;
       }
       if (Exited()) return false;
@@ -78,6 +117,7 @@ class ServiceProcess {
     return false;
   }
 
+  // True once the process has exited (it is then reaped).
   bool Exited() {
     if (reaped_) return true;
     int status = 0;
@@ -89,20 +129,42 @@ class ServiceProcess {
     return false;
   }
 
-  // Sends `signo`; waits for the exit up to `timeout`; returns the exit code
-  // (negative: the killing signal) or nullopt if still running.
-  std::optional<int> Stop(int signo, absl::Duration timeout = absl::Seconds(30)) {
-    if (!reaped_) ::kill(pid_, signo);
+  // Sends `signo` (e.g. SIGSTOP, SIGCONT) without waiting; false if already reaped.
+  bool Signal(int signo) { return !reaped_ && ::kill(pid_, signo) == 0; }
+
+  // Waits up to `timeout` for the exit; returns the exit code (negative: the
+  // killing signal) or nullopt if still running.
+  std::optional<int> WaitExit(absl::Duration timeout) {
     const absl::Time deadline = absl::Now() + timeout;
     while (!Exited() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
     if (!reaped_) return std::nullopt;
     return exit_status_;
   }
+
+  // Sends `signo` and waits for the exit (see WaitExit).
+  std::optional<int> Stop(int signo, absl::Duration timeout = absl::Seconds(30)) {
+    if (!reaped_) {
+      ::kill(pid_, signo);
+      if (signo != SIGCONT) ::kill(pid_, SIGCONT);  // a stopped process must run to exit
+    }
+    return WaitExit(timeout);
+  }
   void Kill() {
     if (pid_ > 0 && !reaped_) Stop(SIGKILL);
   }
 
-  std::string grpc_target() const { return "127.0.0.1:" + std::to_string(grpc_port); }
+  std::string grpc_target() const {
+    return (grpc_host.empty() ? std::string("127.0.0.1") : grpc_host) + ":" +
+           std::to_string(grpc_port);
+  }
+
+  // Everything written to stdout so far.
+  std::string Stdout() const {
+    std::ifstream in(out_path_);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
 
   // The last `lines` lines of stderr.
   std::string LogTail(int lines = 30) const {
@@ -117,8 +179,10 @@ class ServiceProcess {
     return tail;
   }
 
+  std::string grpc_host;
   int grpc_port = 0;
-  int metrics_port = 0;
+  std::string metrics_host;
+  int metrics_port = 0;  // 0 when the service runs without its HTTP server
 
  private:
   std::string out_path_;

@@ -13,9 +13,7 @@
 #include <httplib.h>
 #include <openssl/sha.h>
 #include <png.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <turbojpeg.h>
 #include <unistd.h>
@@ -43,10 +41,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/integration/service_process.h"
 #include "tests/unit/metrics_text.h"
 #include "vlm/v1/vision.grpc.pb.h"
-
-extern char** environ;
 
 namespace vlm {
 namespace {
@@ -67,67 +64,24 @@ std::string TinyCheckpoint() {
 }
 
 // ---------------------------------------------------------------------------
-// A vlm-vision process; SIGKILLed on destruction if still running.
+// A vlm-vision process (tests/integration/service_process.h) and its client
+// stubs; SIGKILLed on destruction if still running.
 // ---------------------------------------------------------------------------
 class VisionProcess {
  public:
-  explicit VisionProcess(const std::vector<std::string>& flags) {
-    std::vector<std::string> args = {VLM_VISION_PATH, "--model_dir=" + TinyCheckpoint(),
-                                     "--grpc_address=127.0.0.1:0",
-                                     "--metrics_address=127.0.0.1:0", "--replica_name=test-replica",
-                                     "--intra_op_threads=1"};
-    args.insert(args.end(), flags.begin(), flags.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    int out[2];
-    if (pipe2(out, O_CLOEXEC) != 0) return;
-    const pid_t parent = getpid();
-    pid_ = fork();
-    if (pid_ == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);
-      dup2(out[1], STDOUT_FILENO);
-      execve(argv[0], argv.data(), environ);
-      _exit(127);
-    }
-    close(out[1]);
-    stdout_fd_ = out[0];
-  }
-  ~VisionProcess() {
-    if (pid_ > 0 && !reaped_) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (stdout_fd_ >= 0) close(stdout_fd_);
-  }
+  explicit VisionProcess(const std::vector<std::string>& flags)
+      : process_(VLM_VISION_PATH, WithDefaults(flags), NextLogPrefix()) {}
 
-  // Reads stdout up to "vlm: listening grpc=HOST:PORT metrics=HOST:PORT".
+  // Waits for "vlm: listening grpc=HOST:PORT metrics=HOST:PORT" and connects.
   bool WaitListening(absl::Duration timeout = absl::Seconds(30)) {
-    const absl::Time deadline = absl::Now() + timeout;
-    std::string buffer;
-    static const std::regex kLine(R"(vlm: listening grpc=(\S+):(\d+) metrics=(\S+):(\d+))");
-    while (absl::Now() < deadline) {
-      pollfd pfd{stdout_fd_, POLLIN, 0};
-      if (poll(&pfd, 1, 100) <= 0) continue;
-      char chunk[512];
-      const ssize_t n = read(stdout_fd_, chunk, sizeof(chunk));
-      if (n <= 0) return false;
-      buffer.append(chunk, static_cast<size_t>(n));
-      std::smatch m;
-      if (std::regex_search(buffer, m, kLine)) {
-        grpc_target_ = absl::StrCat(std::string(m[1]), ":", std::string(m[2]));
-        metrics_host_ = m[3];
-        metrics_port_ = std::stoi(m[4]);
-        grpc::ChannelArguments args;
-        args.SetMaxReceiveMessageSize(-1);  // features of large images exceed the 4 MiB default
-        channel_ = grpc::CreateCustomChannel(grpc_target_, grpc::InsecureChannelCredentials(), args);
-        stub_ = v1::VisionEncoder::NewStub(channel_);
-        health_ = grpc::health::v1::Health::NewStub(channel_);
-        return true;
-      }
-    }
-    return false;
+    if (!process_.WaitListening(timeout)) return false;
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);  // features of large images exceed the 4 MiB default
+    channel_ =
+        grpc::CreateCustomChannel(process_.grpc_target(), grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::VisionEncoder::NewStub(channel_);
+    health_ = grpc::health::v1::Health::NewStub(channel_);
+    return true;
   }
 
   std::string Health() {
@@ -142,18 +96,18 @@ class VisionProcess {
   }
 
   bool WaitServing(absl::Duration timeout = absl::Seconds(60)) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      if (Health() == "SERVING") return true;
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return false;
+    return testing::Eventually([&] { return Health() == "SERVING"; }, timeout);
   }
 
-  // Starts, waits for SERVING; false (with a message) on failure.
+  // Starts, waits for SERVING; false (with a message and the log's tail) on failure.
   ::testing::AssertionResult Start() {
-    if (!WaitListening()) return ::testing::AssertionFailure() << "vlm-vision did not listen";
-    if (!WaitServing()) return ::testing::AssertionFailure() << "vlm-vision never got SERVING";
+    if (!WaitListening()) {
+      return ::testing::AssertionFailure() << "vlm-vision did not listen\n" << process_.LogTail();
+    }
+    if (!WaitServing()) {
+      return ::testing::AssertionFailure() << "vlm-vision never got SERVING\n"
+                                           << process_.LogTail();
+    }
     return ::testing::AssertionSuccess();
   }
 
@@ -165,7 +119,7 @@ class VisionProcess {
   }
 
   std::string Metrics() {
-    httplib::Client client(metrics_host_, metrics_port_);
+    httplib::Client client(process_.metrics_host, process_.metrics_port);
     client.set_read_timeout(5, 0);
     auto result = client.Get("/metrics");
     return result && result->status == 200 ? result->body : "";
@@ -175,26 +129,24 @@ class VisionProcess {
   }
 
   std::optional<int> Terminate(absl::Duration timeout = absl::Seconds(30)) {
-    kill(pid_, SIGTERM);
-    const absl::Time deadline = absl::Now() + timeout;
-    do {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        reaped_ = true;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    } while (absl::Now() < deadline);
-    return std::nullopt;
+    return process_.Stop(SIGTERM, timeout);
   }
 
  private:
-  pid_t pid_ = -1;
-  int stdout_fd_ = -1;
-  bool reaped_ = false;
-  std::string grpc_target_;
-  std::string metrics_host_;
-  int metrics_port_ = 0;
+  static std::vector<std::string> WithDefaults(const std::vector<std::string>& flags) {
+    std::vector<std::string> args = {"--model_dir=" + TinyCheckpoint(),
+                                     "--grpc_address=127.0.0.1:0",
+                                     "--metrics_address=127.0.0.1:0", "--replica_name=test-replica",
+                                     "--intra_op_threads=1"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    return args;
+  }
+  static std::string NextLogPrefix() {
+    static int count = 0;
+    return testing::TestLogDir("vision_service_test") + "/vision-" + std::to_string(++count);
+  }
+
+  testing::ServiceProcess process_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::VisionEncoder::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
