@@ -25,6 +25,8 @@ PACKAGES=(
   prometheus-cpp-dev libcpp-httplib-dev nlohmann-json3-dev libssl-dev libicu-dev
   # image codecs
   libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libwebp-dev
+  # TLS tests make their certificates with the openssl command line
+  openssl
 )
 
 need_install() {
