@@ -18,7 +18,12 @@
   all capabilities dropped, RuntimeDefault seccomp, model volume read-only;
 - drain: terminationGracePeriodSeconds > preStop sleep + --drain_timeout_s;
 - with --binary vlm-vision=PATH etc.: every VLM_<FLAG> variable set in the
-  manifests is a flag the binary really has (abseil ignores unknown ones).
+  manifests is a flag the binary really has (abseil ignores unknown ones);
+- TLS (prod-tls): every container serves TLS from a cert-manager Certificate's
+  Secret mounted read-only, backends require client certificates, the gateway
+  presents its certificate to them under a name both backend certificates
+  carry; startup/readiness probes are GET /readyz on the metrics port (native
+  gRPC probes cannot speak TLS).
 """
 import argparse
 import os
@@ -34,7 +39,7 @@ ROOT = os.environ.get("VLM_SOURCE_DIR") or os.path.dirname(
 sys.path.insert(0, os.path.join(ROOT, "k8s"))
 import render  # noqa: E402
 
-OVERLAYS = ["dev", "prod"]
+OVERLAYS = ["dev", "prod", "prod-tls"]
 COMPONENTS = {
     # component: (Deployment, health service name, binary)
     "vision": ("vlm-vision", "vlm.v1.VisionEncoder", "vlm-vision"),
@@ -149,6 +154,12 @@ def check_overlay(name, docs):
         for probe_name in ("startupProbe", "readinessProbe"):
             probe = c.get(probe_name) or {}
             g = probe.get("grpc")
+            if "VLM_TLS_CERT" in env:
+                h = probe.get("httpGet") or {}
+                check(g is None and h.get("path") == "/readyz"
+                      and container_port(c, h.get("port")) == metrics_port,
+                      f"{w}: with TLS, {probe_name} is GET /readyz on the metrics port")
+                continue
             check(g is not None and g.get("port") == grpc_port and g.get("service") == health,
                   f"{w}: {probe_name} is a gRPC probe on port {grpc_port} service {health}")
         startup = c.get("startupProbe") or {}
@@ -265,6 +276,8 @@ def check_overlay(name, docs):
               f"{where} vlm-vision replicas left to the HPA")
 
     check_network_policies(where, by_kind.get("NetworkPolicy", []), pods)
+    if name.endswith("-tls"):
+        check_tls(where, by_kind, pods)
 
     # PodMonitor: selects every vlm pod, on a port they have, and labels `service`.
     monitors = by_kind.get("PodMonitor", [])
@@ -352,6 +365,53 @@ def binary_flags(path):
     if not flags:
         raise RuntimeError(f"{path} --helpfull listed no flags:\n{text[:2000]}")
     return flags
+
+
+def check_tls(where, by_kind, pods):
+    certs = {d["spec"]["secretName"]: d for d in by_kind.get("Certificate", [])}
+    issuers = {d["metadata"]["name"] for d in by_kind.get("Issuer", [])}
+    for cert in certs.values():
+        ref = cert["spec"]["issuerRef"]
+        check(ref.get("kind") != "Issuer" or ref["name"] in issuers,
+              f"{where} Certificate {cert['metadata']['name']}: Issuer {ref['name']} present")
+    for comp, (_, spec, _, c) in pods.items():
+        w = f"{where} {comp}"
+        env = env_of(c)
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        mounts = c.get("volumeMounts") or []
+
+        def secret_of(path):
+            for m in mounts:
+                if path and path.startswith(m["mountPath"].rstrip("/") + "/"):
+                    return m.get("readOnly") is True, (volumes.get(m["name"], {}).get("secret")
+                                                       or {}).get("secretName")
+            return False, None
+
+        wanted = ["VLM_TLS_CERT", "VLM_TLS_KEY"]
+        wanted += ["VLM_TLS_CLIENT_CA"] if comp in BACKENDS else [
+            "VLM_BACKEND_TLS_CA", "VLM_BACKEND_TLS_CERT", "VLM_BACKEND_TLS_KEY"]
+        for var in wanted:
+            read_only, secret = secret_of(env.get(var))
+            check(read_only and secret in certs,
+                  f"{w}: {var}={env.get(var)} is in a read-only mount of a Certificate's Secret")
+        _, secret = secret_of(env.get("VLM_TLS_CERT"))
+        if secret in certs:
+            usages = certs[secret]["spec"].get("usages") or []
+            check("server auth" in usages, f"{w}: its Certificate has usage server auth")
+            if comp == "gateway":
+                check("client auth" in usages, f"{w}: its Certificate has usage client auth")
+    if "gateway" in pods:
+        name = env_of(pods["gateway"][3]).get("VLM_BACKEND_TLS_SERVER_NAME")
+        check(bool(name), f"{where} gateway sets VLM_BACKEND_TLS_SERVER_NAME (vision is reached by IP)")
+        for comp in BACKENDS:
+            if comp not in pods:
+                continue
+            secret = None
+            for m in pods[comp][3].get("volumeMounts") or []:
+                v = {v["name"]: v for v in pods[comp][1].get("volumes") or []}.get(m["name"], {})
+                secret = (v.get("secret") or {}).get("secretName") or secret
+            dns = (certs.get(secret) or {}).get("spec", {}).get("dnsNames") or []
+            check(name in dns, f"{where} {comp} Certificate names {name} (gateway's server name)")
 
 
 def check_env_flags(where, pods, binaries):
