@@ -285,6 +285,11 @@ absl::Status Server::Start() {
   builder.SetMaxSendMessageSize(max_bytes);
   // gRPC sets SO_REUSEPORT by default: two servers could share a fixed port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients (the gateway's backend channels) may send keepalive pings every
+  // second, also on connections whose only call is an idle health watch; the
+  // default (one per 5 minutes without data) would answer them with GOAWAY.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   for (grpc::Service* service : services_) builder.RegisterService(service);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
   creators.push_back(std::make_unique<CallInterceptorFactory>(stats_));

@@ -49,7 +49,8 @@
 // --tls_cert + --tls_key serve TLS, --tls_client_ca also requires client
 // certificates signed by that CA (mTLS), --tls_refresh_s is how often the files
 // are re-read (rotation without a restart). The metrics HTTP port stays plain
-// HTTP: it carries /metrics, /healthz and /readyz for scrapers and probes. A service with other defaults sets them
+// HTTP: it carries /metrics, /healthz and /readyz for scrapers and probes.
+// Clients may send HTTP/2 keepalive pings every >= 1 s, with or without calls. A service with other defaults sets them
 // before ParseCommandLine: absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052").
 #ifndef VLM_COMMON_SERVER_H_
 #define VLM_COMMON_SERVER_H_

@@ -7,8 +7,11 @@
 // re-reads the files every `refresh` and new handshakes use what it read:
 // replacing the files (cert-manager rewriting a mounted Secret) rotates the
 // certificate without a restart. Connections already open keep their session.
-// A rotation that leaves the files unreadable or mismatched is logged by gRPC
-// and the last good pair stays in use.
+// A deleted or unreadable file is logged by gRPC and the last pair stays in
+// use. gRPC 1.51 does not check a re-read pair: a key and certificate from
+// different generations (files replaced one at a time and read in between)
+// fail every handshake until the next re-read finds them matching, so replace
+// both at once (a Kubernetes Secret volume swaps all its files atomically).
 //
 // Server side: `cert` + `key` turn TLS on; `client_ca` additionally requires
 // every client to present a certificate signed by one of its CAs (mTLS).

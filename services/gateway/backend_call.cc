@@ -25,6 +25,15 @@ std::shared_ptr<grpc::Channel> CreateBackendChannel(const std::string& target,
   // Each backend gets its own connection, not one shared through gRPC's
   // global subchannel pool (a replica's channel is torn down when DNS drops it).
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (options.keepalive_time > absl::ZeroDuration()) {
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_time)));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                static_cast<int>(absl::ToInt64Milliseconds(options.keepalive_timeout)));
+    // Health watches are long calls that carry no data for hours: keep pinging.
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
   if (options.credentials == nullptr) {
     return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   }

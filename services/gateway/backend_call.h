@@ -24,6 +24,14 @@ struct ChannelOptions {
   // default grows to 120 s; a restarted backend should be found within about this).
   absl::Duration min_reconnect_backoff = absl::Milliseconds(100);
   absl::Duration max_reconnect_backoff = absl::Seconds(1);
+  // HTTP/2 keepalive: a ping after `keepalive_time` without traffic, the
+  // connection dropped if its ack takes longer than `keepalive_timeout`. A
+  // backend that hangs (SIGSTOP, a stuck process, a dead node behind an open
+  // TCP path) then turns unreachable: its health watch fails, routing skips
+  // it, and its calls fail UNAVAILABLE instead of waiting for their deadline.
+  // Zero disables. Servers built on common/server.h accept pings every >= 1 s.
+  absl::Duration keepalive_time = absl::Seconds(20);
+  absl::Duration keepalive_timeout = absl::Seconds(10);
   // Shared by every backend channel (common/tls.h MakeChannelCredentials);
   // null means plaintext. `tls_server_name`, if set, is the name the
   // backends' certificates carry (targets are pod IPs from DNS, not that name).

@@ -35,7 +35,7 @@ ABSL_FLAG(int, vision_max_attempts, 3,
 ABSL_FLAG(int, vision_retry_backoff_ms, 25, "wait before the second Encode call; doubles after");
 ABSL_FLAG(int, backend_reconnect_max_ms, 1000,
           "longest wait between reconnection attempts to a backend (channels and health watches)");
-// --- TLS towards the backends (vision and language); see common/tls.h -------
+// --- backend channels: TLS (common/tls.h) and keepalive -----------------------
 ABSL_FLAG(std::string, backend_tls_ca, "",
           "PEM CA bundle that signed the backends' certificates; setting any --backend_tls_* "
           "flag makes the backend channels TLS");
@@ -44,6 +44,10 @@ ABSL_FLAG(std::string, backend_tls_cert, "",
 ABSL_FLAG(std::string, backend_tls_key, "", "PEM private key of --backend_tls_cert");
 ABSL_FLAG(std::string, backend_tls_server_name, "",
           "name the backends' certificates must carry (the targets are addresses, e.g. pod IPs)");
+ABSL_FLAG(int, backend_keepalive_ms, 20000,
+          "keepalive ping interval towards the backends; a backend whose ack takes longer than "
+          "--backend_keepalive_timeout_ms is treated as unreachable (0 disables; min 1000)");
+ABSL_FLAG(int, backend_keepalive_timeout_ms, 10000, "wait for a keepalive ack, milliseconds");
 ABSL_FLAG(int, max_inflight, 8, "chat requests running at once");
 ABSL_FLAG(int, max_queue, 32,
           "chat requests waiting for a slot; beyond it requests get RESOURCE_EXHAUSTED");
@@ -80,6 +84,15 @@ int main(int argc, char** argv) {
   channel.max_reconnect_backoff = absl::Milliseconds(absl::GetFlag(FLAGS_backend_reconnect_max_ms));
   HealthWatchOptions health_options;
   health_options.retry_max = channel.max_reconnect_backoff;
+  const int keepalive_ms = absl::GetFlag(FLAGS_backend_keepalive_ms);
+  const int keepalive_timeout_ms = absl::GetFlag(FLAGS_backend_keepalive_timeout_ms);
+  if ((keepalive_ms != 0 && keepalive_ms < 1000) || keepalive_timeout_ms < 1) {
+    vlm::LogError(kComponent, "bad flags: need --backend_keepalive_ms 0 or >= 1000 and "
+                              "--backend_keepalive_timeout_ms >= 1");
+    return 2;
+  }
+  channel.keepalive_time = absl::Milliseconds(keepalive_ms);
+  channel.keepalive_timeout = absl::Milliseconds(keepalive_timeout_ms);
   vlm::TlsChannelFiles backend_tls;
   backend_tls.ca = absl::GetFlag(FLAGS_backend_tls_ca);
   backend_tls.cert = absl::GetFlag(FLAGS_backend_tls_cert);

@@ -385,6 +385,32 @@ TEST(FaultInjectionTest, StoppedBackendLetsDeadlinesFireAndFreesTheSlots) {
   }
 }
 
+TEST(FaultInjectionTest, HungVisionReplicaIsDetectedByKeepaliveAndItsImagesFailOver) {
+  Stack stack("hung-vision", Stack::With(2, {}, {"--backend_keepalive_ms=1000",
+                                                 "--backend_keepalive_timeout_ms=1000"}));
+  ASSERT_TRUE(stack.Start());
+  ServiceProcess& hung = *stack.vision_[0];
+  const std::string series = "vlm_gateway_backend_serving{backend=\"vision\",target=\"" +
+                             hung.grpc_target() + "\"}";
+  ASSERT_EQ(Metric(*stack.gateway_, series), 1);
+  ASSERT_TRUE(hung.Signal(SIGSTOP));
+  // The open connection stays up at the TCP level; only the unanswered pings tell.
+  EXPECT_TRUE(Eventually([&] { return Metric(*stack.gateway_, series) == 0; }, absl::Seconds(10)))
+      << stack.Logs();
+  EXPECT_EQ(HealthStatus(stack.gateway_->grpc_target()), "SERVING");  // vision-1 is enough
+  for (int i = 0; i < 8; ++i) {
+    v1::ChatResponse response;
+    const Outcome o = stack.Chat(Request("Hi.", {Png(5000 + i)}, 1), absl::Seconds(10), &response);
+    EXPECT_TRUE(o.status.ok()) << o.status.error_message();
+    if (o.status.ok()) {
+      EXPECT_EQ(response.images(0).replica(), "vision-1");
+    }
+  }
+  ASSERT_TRUE(hung.Signal(SIGCONT));
+  EXPECT_TRUE(Eventually([&] { return Metric(*stack.gateway_, series) == 1; }, absl::Seconds(15)))
+      << stack.Logs();
+}
+
 // --- a client that never reads -------------------------------------------------------
 
 TEST(FaultInjectionTest, ClientThatNeverReadsDoesNotBlockOtherClients) {
