@@ -194,6 +194,11 @@ std::optional<ApiError> HttpServer::Impl::FetchRemoteImages(OpenAiChatRequest* p
                                result->status);
       return e;
     }
+    if (SniffImageType(body).empty()) {
+      e.message = absl::StrCat(remote.param, ": ", remote.url,
+                               " is not a JPEG, PNG or WebP image");
+      return e;
+    }
     parsed->request.mutable_messages(remote.message)
         ->mutable_content(remote.part)
         ->mutable_image()

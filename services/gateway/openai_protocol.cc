@@ -434,8 +434,6 @@ std::string SniffImageType(std::string_view bytes) {
   if (b.size() >= 12 && absl::StartsWith(b, "RIFF") && b.substr(8, 4) == "WEBP") {
     return "image/webp";
   }
-  if (absl::StartsWith(b, "GIF8")) return "image/gif";
-  if (absl::StartsWith(b, "BM")) return "image/bmp";
   return "";
 }
 

@@ -72,7 +72,8 @@ std::optional<ApiError> ParseChatCompletionRequest(std::string_view body,
                                                    const ParseOptions& options,
                                                    OpenAiChatRequest* out);
 
-// "image/png" etc. from the first bytes, or "" if not JPEG/PNG/WebP/GIF/BMP.
+// "image/png" etc. from the first bytes, or "" if not JPEG, PNG or WebP (what
+// the vision service decodes).
 std::string SniffImageType(std::string_view bytes);
 
 // Formats one completion's JSON: the same id, created time and model in every
