@@ -191,7 +191,7 @@ function statsLine(usage, extra) {
 function busy(on) {
   $("send").disabled = on;
   $("stop").disabled = !on;
-  setState(on ? "streaming" : "idle");
+  setState(on ? "streaming" : $("error").hidden ? "idle" : "error");
 }
 
 // Reads an SSE body: calls onEvent(json) for each "data:" event until [DONE].
