@@ -46,7 +46,7 @@ absl::Status ApiKeys::CheckAuthorization(std::string_view header) const {
       absl::StripAsciiWhitespace(absl::string_view(header.data(), header.size()));
   if (authorization.empty()) {
     return absl::UnauthenticatedError(
-        "an API key is required: send the header \"Authorization: Bearer YOUR_KEY\"");
+        "an API key is required: send \"Authorization: Bearer YOUR_KEY\"");
   }
   constexpr absl::string_view kScheme = "bearer ";
   if (authorization.size() <= kScheme.size() ||

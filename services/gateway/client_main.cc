@@ -34,6 +34,7 @@ constexpr char kUsage[] = R"(usage:
 
 chat options:
   --target HOST:PORT       gateway address (default $VLM_TARGET or localhost:50051)
+  --api-key KEY            sent as "authorization: Bearer KEY" (default $VLM_API_KEY)
   --image PATH             attach an image (JPEG, PNG, WebP); repeatable, in order
   --image-hash SHA256      attach an image sent before, by its content hash; repeatable
   --system TEXT            system prompt
@@ -244,6 +245,7 @@ int Chat(Args& args) {
   double deadline_s = 300;
   bool json = false;
   bool stats = false;
+  std::string api_key = std::getenv("VLM_API_KEY") != nullptr ? std::getenv("VLM_API_KEY") : "";
   auto* params = request.mutable_params();
   auto* sampling = params->mutable_sampling();
 
@@ -258,7 +260,8 @@ int Chat(Args& args) {
       return 0;
     };
     if (args.Value("target", &target, &error) || args.Value("system", &system, &error) ||
-        args.Value("request-id", request.mutable_request_id(), &error)) {
+        args.Value("request-id", request.mutable_request_id(), &error) ||
+        args.Value("api-key", &api_key, &error)) {
       if (!error.empty()) return UsageError(error);
       continue;
     }
@@ -345,6 +348,7 @@ int Chat(Args& args) {
 
   auto stub = vlm::v1::VisionLanguage::NewStub(MakeChannel(target));
   grpc::ClientContext context;
+  if (!api_key.empty()) context.AddMetadata("authorization", "Bearer " + api_key);
   if (deadline_s > 0) {
     context.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::microseconds(static_cast<int64_t>(deadline_s * 1e6)));
