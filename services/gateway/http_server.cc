@@ -233,7 +233,7 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
     CollectingSink sink(&response);
     const grpc::Status status = pipeline->Run(call, parsed.request, &sink);
     Untrack(&cancellation);
-    if (!status.ok()) return SendError(res, ApiErrorFromStatus(status));
+    if (!status.ok()) return SendError(res, ApiErrorFromStatus(status, &parsed.request));
     res.set_content(format->Completion(response), kJson);
     return;
   }
@@ -242,12 +242,14 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   // first event (commit to SSE) or an early error (a plain error response).
   auto stream = std::make_shared<SseStream>();
   Track(&stream->cancellation);
-  stream->worker = std::thread([this, stream, format, request = std::move(parsed.request)] {
+  // The request, to name an image's param in errors; its image bytes go to the pipeline.
+  auto request = std::make_shared<const v1::ChatRequest>(std::move(parsed.request));
+  stream->worker = std::thread([this, stream, format, request] {
     SseSink sink(stream.get(), format.get());
     ChatCall call;
     call.front_end = "http_stream";
     call.cancellation = &stream->cancellation;
-    grpc::Status status = pipeline->Run(call, request, &sink);
+    grpc::Status status = pipeline->Run(call, *request, &sink);
     absl::MutexLock lock(&stream->mu);
     stream->status = std::move(status);
     stream->finished = true;
@@ -265,7 +267,7 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   if (early_error) {
     stream->worker.join();
     Untrack(&stream->cancellation);
-    return SendError(res, ApiErrorFromStatus(status));
+    return SendError(res, ApiErrorFromStatus(status, request.get()));
   }
 
   Metrics().sse_open.Increment();
@@ -273,7 +275,7 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   res.set_header("X-Accel-Buffering", "no");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [stream](size_t, httplib::DataSink& sink) {
+      [stream, request](size_t, httplib::DataSink& sink) {
         std::deque<std::string> batch;
         bool done = false;
         grpc::Status final_status;
@@ -294,7 +296,9 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
         // ignore it, and a failed write shows that the client left.
         if (batch.empty() && !done) batch.push_back(": keep-alive\n\n");
         if (done) {
-          if (!final_status.ok()) batch.push_back(SseEvent(ErrorJson(ApiErrorFromStatus(final_status))));
+          if (!final_status.ok()) {
+            batch.push_back(SseEvent(ErrorJson(ApiErrorFromStatus(final_status, request.get()))));
+          }
           batch.push_back("data: [DONE]\n\n");
         }
         for (const std::string& event : batch) {

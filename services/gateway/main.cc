@@ -7,11 +7,15 @@
 // Every flag can also be set as VLM_<FLAG> in the environment.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <memory>
+#include <thread>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flags.h"
 #include "common/log.h"
@@ -195,8 +199,21 @@ int main(int argc, char** argv) {
   VisionRouter* router_ptr = router->get();
   health.Start(language_target, language_channel, [router_ptr] { return router_ptr->Replicas(); },
                health_options);
+  // HTTP requests drain in the same window as gRPC ones, counted from the signal.
+  std::atomic<bool> waited{false};
+  absl::Time drain_started = absl::InfiniteFuture();
+  std::thread drain_watch([&] {
+    while (!waited && !server.readiness().draining()) absl::SleepFor(absl::Milliseconds(20));
+    drain_started = absl::Now();
+  });
   absl::Status done = server.Wait();
-  if (http) http->Stop(absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)));
+  waited = true;
+  drain_watch.join();
+  if (http) {
+    http->Stop(std::max(absl::ZeroDuration(),
+                        drain_started + absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)) -
+                            absl::Now()));
+  }
   health.Stop();
   router->reset();
   return done.ok() ? 0 : 1;

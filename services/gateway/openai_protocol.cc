@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "services/gateway/http_status.h"
@@ -252,7 +253,7 @@ constexpr Rename kRenames[] = {
 
 }  // namespace
 
-ApiError ApiErrorFromStatus(const grpc::Status& status) {
+ApiError ApiErrorFromStatus(const grpc::Status& status, const v1::ChatRequest* request) {
   ApiError e;
   e.code = status.error_code();
   e.message = status.error_message();
@@ -267,6 +268,19 @@ ApiError ApiErrorFromStatus(const grpc::Status& status) {
     if (e.param.empty()) {
       if (absl::StartsWith(e.message, "messages[")) {
         e.param = e.message.substr(0, e.message.find_first_of(" :"));
+      } else if (int n = 0; request != nullptr && absl::StartsWith(e.message, "image ") &&
+                            absl::SimpleAtoi(absl::string_view(e.message).substr(6).substr(
+                                                 0, e.message.find_first_of(" :", 6) - 6),
+                                             &n)) {
+        e.param = "messages";
+        int seen = 0;
+        for (int i = 0; i < request->messages_size(); ++i) {
+          for (int j = 0; j < request->messages(i).content_size(); ++j) {
+            if (request->messages(i).content(j).has_image() && ++seen == n) {
+              e.param = absl::StrCat("messages[", i, "].content[", j, "].image_url.url");
+            }
+          }
+        }
       } else if (absl::StartsWith(e.message, "image ") || absl::StartsWith(e.message, "request has") ||
                  absl::StartsWith(e.message, "text is")) {
         e.param = "messages";

@@ -35,8 +35,10 @@ struct ApiError {
 
 // A pipeline (or backend) status as an ApiError. Validation messages name
 // proto fields ("params.sampling.top_p is 1.5; ..."): they are renamed to the
-// OpenAI parameter ("top_p is 1.5; ...") and that name becomes `param`.
-ApiError ApiErrorFromStatus(const grpc::Status& status);
+// OpenAI parameter ("top_p is 1.5; ...") and that name becomes `param`. With
+// `request`, an error about "image N" points at that image's URL
+// ("messages[i].content[j].image_url.url").
+ApiError ApiErrorFromStatus(const grpc::Status& status, const v1::ChatRequest* request = nullptr);
 
 // {"error": {...}} as JSON text.
 std::string ErrorJson(const ApiError& error);

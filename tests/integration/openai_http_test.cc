@@ -20,6 +20,8 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -438,7 +440,7 @@ TEST_F(OpenAiHttpTest, BadInputGetsItsPrecise4xxAndTheGatewayKeepsServing) {
       {"non-image data URL", with_image_url("data:text/plain;base64,aGVsbG8="), 400,
        "messages[0].content[0].image_url.url", "text/plain"},
       {"bytes that are no image", with_image_url("data:image/png;base64,aGVsbG8="), 400,
-       "messages", "image 1"},
+       "messages[0].content[0].image_url.url", "image 1"},
       {"http image URL", with_image_url("http://127.0.0.1:1/cat.png"), 400,
        "messages[0].content[0].image_url.url", "allow_remote_images"},
       {"another model", other_model.dump(), 404, "model", "gpt-4o"},
@@ -621,6 +623,115 @@ TEST_F(OpenAiHttpTest, NotReadyIs503AndHealthSaysWhy) {
   EXPECT_EQ(res->get_header_value("Retry-After"), "1");
   EXPECT_EQ(json::parse(res->body)["error"]["type"], "service_unavailable");
   EXPECT_EQ(lonely->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0)) << lonely->LogTail();
+}
+
+// A gateway of its own, started for one test, with its HTTP port once SERVING.
+struct ExtraGateway {
+  std::unique_ptr<ServiceProcess> process;
+  int port = 0;
+};
+
+class OpenAiHttpExtraTest : public OpenAiHttpTest {
+ protected:
+  static ExtraGateway Start(const std::string& name, std::vector<std::string> flags) {
+    ExtraGateway g;
+    g.process = StartGateway(name, std::move(flags));
+    EXPECT_TRUE(g.process->WaitListening()) << g.process->LogTail();
+    const std::string out = log_dir_ + "/" + name + ".out";
+    EXPECT_TRUE(Eventually([&] { return HttpPort(out) > 0; }, absl::Seconds(5)));
+    g.port = HttpPort(out);
+    EXPECT_TRUE(Eventually(
+        [&] {
+          httplib::Client c("127.0.0.1", g.port);
+          auto r = c.Get("/health");
+          return r && r->status == 200;
+        },
+        absl::Seconds(30)));
+    return g;
+  }
+};
+
+TEST_F(OpenAiHttpExtraTest, DeadlineIs504) {
+  ExtraGateway g = Start("gateway-deadline", {"--default_deadline_s=0.3"});
+  json body = ChatBody("A story that takes long.", 8192);
+  body["ignore_eos"] = true;
+  auto res = Post(body, g.port);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 504) << res->body;
+  EXPECT_EQ(json::parse(res->body)["error"]["type"], "timeout");
+  EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(OpenAiHttpExtraTest, RemoteImagesAreFetchedWhenAllowedWithinLimits) {
+  const std::string png = Png(96, 64, 11);
+  httplib::Server images;
+  images.Get("/cat.png", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(png, "image/png");
+  });
+  images.Get("/note.txt", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("just text", "text/plain");
+  });
+  images.Get("/huge.png", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(png + std::string(200000, '\0'), "image/png");
+  });
+  const int images_port = images.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(images_port, 0);
+  std::thread serving([&] { images.listen_after_bind(); });
+  ExtraGateway g = Start("gateway-remote", {"--allow_remote_images", "--max_image_bytes=100000"});
+  auto ask = [&](const std::string& path) {
+    json body = ChatBody("", 2);
+    body["messages"][0]["content"] = json::array(
+        {{{"type", "text"}, {"text", "What is this?"}},
+         {{"type", "image_url"},
+          {"image_url", {{"url", absl::StrCat("http://127.0.0.1:", images_port, path)}}}}});
+    return Post(body, g.port);
+  };
+  auto ok = ask("/cat.png");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  if (ok->status == 200) EXPECT_EQ(json::parse(ok->body)["x_vlm"]["images"][0]["tokens"], 6);
+  const std::string param = "messages[0].content[1].image_url.url";
+  for (const auto& [path, words] : std::vector<std::pair<std::string, std::string>>{
+           {"/note.txt", "is not a JPEG, PNG or WebP image"},
+           {"/huge.png", "larger than 100000 bytes"},
+           {"/missing.png", "answered HTTP 404"}}) {
+    SCOPED_TRACE(path);
+    auto res = ask(path);
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << res->body;
+    const json e = json::parse(res->body)["error"];
+    EXPECT_EQ(e["param"], param);
+    EXPECT_TRUE(absl::StrContains(e["message"].get<std::string>(), words)) << res->body;
+  }
+  images.stop();
+  serving.join();
+  EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(OpenAiHttpExtraTest, SigtermLetsAnOpenStreamFinishThenExits0) {
+  ExtraGateway g = Start("gateway-drain", {"--drain_timeout_s=20"});
+  json body = ChatBody("A story of medium length.", 600);
+  body["ignore_eos"] = true;
+  body["stream"] = true;
+  const std::string out = log_dir_ + "/drain.sse";
+  std::remove(out.c_str());
+  const pid_t curl = ::fork();
+  if (curl == 0) {
+    ::execlp("curl", "curl", "-sN", "--max-time", "60", "-o", out.c_str(), "-H",
+             "Content-Type: application/json", "-d", body.dump().c_str(),
+             Url("/v1/chat/completions", g.port).c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_TRUE(Eventually([&] { return ReadFile(out).size() > 500; }, absl::Seconds(30)));
+  ::kill(g.process->pid(), SIGTERM);
+  int status = 0;
+  ::waitpid(curl, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const std::string streamed = ReadFile(out);
+  EXPECT_TRUE(absl::EndsWith(streamed, "data: [DONE]\n\n")) << streamed.substr(streamed.size() - 300);
+  EXPECT_TRUE(absl::StrContains(streamed, "\"finish_reason\":\"length\""));
+  // Signal 0 sends nothing: only wait for the exit the first SIGTERM started.
+  EXPECT_EQ(g.process->Stop(0, absl::Seconds(30)), std::optional<int>(0)) << g.process->LogTail();
 }
 
 }  // namespace
