@@ -17,7 +17,8 @@
 // first chunk exists, so errors before any token (validation, admission, image
 // encoding, warm-up) keep their own status. A client that goes away (a write
 // fails) cancels the generation: the language service frees the slot and the
-// admission permit is released.
+// admission permit is released. A non-streaming request runs to its end (or
+// its deadline) even if its client leaves: nothing is written until then.
 //
 // Metrics (on the gateway's /metrics): vlm_gateway_http_requests_total{route,
 // status} (route: the API paths, "page" or "other") and

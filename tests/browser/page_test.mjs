@@ -16,8 +16,15 @@ let stack;
 let browser;
 let profile;
 
+const KEY = "sk-page-test";
+
 before(async () => {
-  stack = await startStack({ gateways: { open: [] } });
+  const work = env("VLM_WORK_DIR");
+  fs.mkdirSync(work, { recursive: true });
+  fs.writeFileSync(path.join(work, "api_keys"), `${KEY}\n`);
+  stack = await startStack({
+    gateways: { open: [], keyed: [`--api_keys_file=${path.join(work, "api_keys")}`] },
+  });
   profile = fs.mkdtempSync(path.join(os.tmpdir(), "vlm-chromium-"));
   browser = await puppeteer.launch({
     executablePath: env("VLM_CHROMIUM"),
@@ -141,4 +148,36 @@ test("a server error is shown in plain words", async () => {
   assert.match(text, /^Not found: the model "no-such-model" does not exist/);
   assert.equal(await page.$$eval(".msg.assistant", (a) => a.length), 0);
   assert.equal(await page.$eval("body", (b) => b.dataset.state), "error");
+});
+
+test("a dropped picture is taken like a picked one", async () => {
+  const page = await browser.newPage();
+  await page.goto(`${stack.http.open}/?max_side=64`, { waitUntil: "load" });
+  const png = (await makePng(200, 100, 9)).toString("base64");
+  await page.evaluate((b64) => {
+    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+    const transfer = new DataTransfer();
+    transfer.items.add(new File([bytes], "dropped.png", { type: "image/png" }));
+    const drop = document.getElementById("drop");
+    drop.dispatchEvent(new DragEvent("dragover", { dataTransfer: transfer, bubbles: true, cancelable: true }));
+    drop.dispatchEvent(new DragEvent("drop", { dataTransfer: transfer, bubbles: true, cancelable: true }));
+  }, png);
+  await page.waitForSelector("#preview:not([hidden])");
+  assert.equal(await page.$eval("#preview-info", (e) => e.textContent), "200×100 → 64×32");
+  await noErrorShown(page);
+});
+
+test("with API keys the page asks for one, keeps it in the tab, and then works", async () => {
+  const page = await browser.newPage();
+  await page.goto(`${stack.http.keyed}/?max_tokens=3`, { waitUntil: "load" });
+  await page.waitForSelector("#key-form:not([hidden])");
+  assert.equal(await page.$eval("#model", (e) => e.textContent), "API key needed");
+  await page.type("#key", KEY);
+  await page.click("#key-form button[type=submit]");
+  await page.waitForFunction(() => document.getElementById("model").textContent.startsWith("model "));
+  assert.equal(await page.evaluate(() => sessionStorage.getItem("vlm.apiKey")), KEY);
+  assert.equal(await page.$eval("#key-form", (e) => e.hidden), true);
+  const { answer, stats } = await ask(page, "hello", 1);
+  assert.ok(answer.length > 0);
+  assert.match(stats, /3 answer tokens/);
 });
