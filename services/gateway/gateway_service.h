@@ -1,11 +1,13 @@
-// The public API vlm.v1.VisionLanguage: validates and admits a chat request,
-// encodes its images in parallel on the vision replicas, streams the language
-// service's completion back, and reports usage, timings and per-image cache
-// results. The caller's deadline and cancellation reach both backends.
+// The gRPC front end vlm.v1.VisionLanguage: translates Chat / ChatStream to
+// the gateway's one request pipeline (chat_pipeline.h), which validates,
+// admits, encodes the images in parallel on the vision replicas and streams
+// the language service's completion back with usage, timings and per-image
+// cache results. The caller's deadline and cancellation reach both backends.
+// When API keys are configured, calls need `authorization: Bearer KEY`
+// metadata (UNAUTHENTICATED otherwise); health and reflection stay open.
 //
-// Thread-safety: handlers run concurrently; the router, admission and the
-// language stub are shared and thread-safe. Nothing here is owned except the
-// language stub.
+// Thread-safety: handlers run concurrently; the pipeline and the keys are
+// shared and thread-safe.
 #ifndef VLM_SERVICES_GATEWAY_GATEWAY_SERVICE_H_
 #define VLM_SERVICES_GATEWAY_GATEWAY_SERVICE_H_
 
@@ -16,32 +18,24 @@
 #include <memory>
 #include <string>
 
-#include "absl/time/time.h"
 #include "common/readiness.h"
 #include "services/gateway/admission.h"
+#include "services/gateway/api_keys.h"
+#include "services/gateway/chat_pipeline.h"
 #include "services/gateway/router.h"
-#include "services/gateway/validation.h"
 #include "vlm/v1/gateway.grpc.pb.h"
 #include "vlm/v1/language.grpc.pb.h"
 
 namespace vlm::gateway {
 
-struct GatewayOptions {
-  ValidationLimits limits;
-  // Qwen3-VL merges 2x2 patches into one token: an image takes
-  // t*h*w / spatial_merge_size^2 tokens (ImageResult.tokens).
-  int spatial_merge_size = 2;
-  // Applied when the client sets no deadline (InfiniteDuration: none).
-  absl::Duration default_deadline = absl::Minutes(5);
-  // params.max_tokens when the client leaves it unset (0: leave it to the
-  // language service, which then generates up to the context length).
-  int default_max_tokens = 0;
-};
-
 class GatewayService final : public v1::VisionLanguage::Service {
  public:
   static constexpr char kServiceName[] = "vlm.v1.VisionLanguage";
 
+  // Serves through `pipeline` (not owned; shared with the HTTP front end).
+  // `api_keys` may be null (no authentication); not owned.
+  explicit GatewayService(const ChatPipeline* pipeline, const ApiKeys* api_keys = nullptr);
+  // Owns a pipeline of its own (a gRPC-only gateway).
   GatewayService(GatewayOptions options, const Readiness* readiness, Admission* admission,
                  const VisionRouter* router, std::unique_ptr<v1::Language::StubInterface> language);
 
@@ -51,21 +45,14 @@ class GatewayService final : public v1::VisionLanguage::Service {
                           grpc::ServerWriter<v1::ChatChunk>* writer) override;
 
   // Gauges vlm_gateway_admission_{running,queued}, for Admission's observer.
-  static Admission::Observer AdmissionGauges();
+  static Admission::Observer AdmissionGauges() { return ChatPipeline::AdmissionGauges(); }
 
  private:
-  struct Record;  // what the access log line reports
-  grpc::Status Handle(grpc::ServerContext* context, const v1::ChatRequest& request,
-                      grpc::ServerWriter<v1::ChatChunk>* stream, v1::ChatResponse* unary,
-                      Record* record);
-  grpc::Status Logged(const char* rpc, grpc::ServerContext* context, const v1::ChatRequest& request,
-                      grpc::ServerWriter<v1::ChatChunk>* stream, v1::ChatResponse* unary);
+  grpc::Status Authenticate(const grpc::ServerContext* context) const;
 
-  const GatewayOptions options_;
-  const Readiness* const readiness_;
-  Admission* const admission_;
-  const VisionRouter* const router_;
-  const std::unique_ptr<v1::Language::StubInterface> language_;
+  std::unique_ptr<ChatPipeline> owned_pipeline_;
+  const ChatPipeline* const pipeline_;
+  const ApiKeys* const api_keys_;
 };
 
 }  // namespace vlm::gateway

@@ -7,10 +7,15 @@
 // Every flag can also be set as VLM_<FLAG> in the environment.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <memory>
+#include <thread>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flags.h"
 #include "common/log.h"
@@ -20,6 +25,7 @@
 #include "services/gateway/backend_call.h"
 #include "services/gateway/backend_health.h"
 #include "services/gateway/gateway_service.h"
+#include "services/gateway/http_server.h"
 #include "services/gateway/router.h"
 #include "vlm/v1/language.grpc.pb.h"
 
@@ -65,9 +71,35 @@ ABSL_FLAG(double, default_deadline_s, 300,
 ABSL_FLAG(int, spatial_merge_size, 2,
           "the model's spatial_merge_size (image tokens = t*h*w / merge^2 in responses)");
 
+// --- HTTP front end (OpenAI-compatible API, web page) and API keys ----------
+ABSL_FLAG(std::string, http_address, "0.0.0.0:8080",
+          "OpenAI-compatible HTTP API and web page (port 0 picks one; \"\" disables)");
+ABSL_FLAG(std::string, api_keys_file, "",
+          "file with one API key per line; when set, HTTP /v1/* and gRPC chat calls need "
+          "'Authorization: Bearer KEY'");
+ABSL_FLAG(std::string, served_model_name, "",
+          "model id of /v1/models and responses (default: the base name of --model_dir)");
+ABSL_FLAG(std::string, model_dir, "",
+          "the checkpoint directory the backends serve; only its name is used (model id)");
+ABSL_FLAG(int64_t, max_http_body_bytes, 32 << 20, "largest HTTP request body; larger: 413");
+ABSL_FLAG(int, http_threads, 64, "HTTP connections served at once (an SSE stream holds one)");
+ABSL_FLAG(bool, allow_remote_images, false,
+          "fetch http(s):// image URLs of HTTP requests (off: refused with 400)");
+ABSL_FLAG(double, remote_image_timeout_s, 10, "time limit of one remote image fetch");
+
 namespace {
 
 constexpr char kComponent[] = "gateway";
+
+// The model id: --served_model_name, else the checkpoint directory's name.
+std::string ServedModelName() {
+  std::string name = absl::GetFlag(FLAGS_served_model_name);
+  if (!name.empty()) return name;
+  std::string dir = absl::GetFlag(FLAGS_model_dir);
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  name = dir.substr(dir.find_last_of('/') + 1);
+  return name.empty() ? "qwen3-vl" : name;
+}
 
 }  // namespace
 
@@ -162,17 +194,67 @@ int main(int argc, char** argv) {
   std::shared_ptr<grpc::Channel> language_channel = CreateBackendChannel(language_target, channel);
   Admission admission(absl::GetFlag(FLAGS_max_inflight), absl::GetFlag(FLAGS_max_queue),
                       GatewayService::AdmissionGauges());
-  GatewayService service(options, &server.readiness(), &admission, router->get(),
-                         vlm::v1::Language::NewStub(language_channel));
+  // One pipeline, two front ends (gRPC and HTTP); optional API keys for both.
+  std::unique_ptr<ApiKeys> api_keys;
+  if (const std::string path = absl::GetFlag(FLAGS_api_keys_file); !path.empty()) {
+    absl::StatusOr<ApiKeys> keys = ApiKeys::LoadFile(path);
+    if (!keys.ok()) {
+      vlm::LogError(kComponent, "bad --api_keys_file", {{"error", keys.status().ToString()}});
+      return 2;
+    }
+    api_keys = std::make_unique<ApiKeys>(*std::move(keys));
+  }
+  ChatPipeline pipeline(options, &server.readiness(), &admission, router->get(),
+                        vlm::v1::Language::NewStub(language_channel));
+  GatewayService service(&pipeline, api_keys.get());
   server.AddService(&service, name, "waiting for the backends' health");
   if (absl::Status s = server.Start(); !s.ok()) {
     vlm::LogError(kComponent, "cannot start", {{"error", s.ToString()}});
     return 1;
   }
+  std::unique_ptr<HttpServer> http;
+  if (const std::string address = absl::GetFlag(FLAGS_http_address); !address.empty()) {
+    HttpServerOptions http_options;
+    http_options.address = address;
+    http_options.served_model_name = ServedModelName();
+    http_options.max_body_bytes = absl::GetFlag(FLAGS_max_http_body_bytes);
+    http_options.threads = absl::GetFlag(FLAGS_http_threads);
+    http_options.allow_remote_images = absl::GetFlag(FLAGS_allow_remote_images);
+    http_options.max_remote_image_bytes = options.limits.max_image_bytes;
+    http_options.remote_image_timeout = absl::Seconds(absl::GetFlag(FLAGS_remote_image_timeout_s));
+    absl::StatusOr<std::unique_ptr<HttpServer>> started =
+        HttpServer::Start(http_options, &pipeline, api_keys.get());
+    if (!started.ok()) {
+      vlm::LogError(kComponent, "cannot start HTTP", {{"error", started.status().ToString()}});
+      server.Shutdown(started.status());
+      server.Wait();
+      return 1;
+    }
+    http = *std::move(started);
+    vlm::Log(vlm::LogLevel::kInfo, kComponent, "http listening",
+             {{"address", http->address()}, {"model", http_options.served_model_name},
+              {"api_keys", api_keys ? static_cast<int>(api_keys->size()) : 0}});
+    std::printf("vlm: http=%s\n", http->address().c_str());
+    std::fflush(stdout);
+  }
   VisionRouter* router_ptr = router->get();
   health.Start(language_target, language_channel, [router_ptr] { return router_ptr->Replicas(); },
                health_options);
+  // HTTP requests drain in the same window as gRPC ones, counted from the signal.
+  std::atomic<bool> waited{false};
+  absl::Time drain_started = absl::InfiniteFuture();
+  std::thread drain_watch([&] {
+    while (!waited && !server.readiness().draining()) absl::SleepFor(absl::Milliseconds(20));
+    drain_started = absl::Now();
+  });
   absl::Status done = server.Wait();
+  waited = true;
+  drain_watch.join();
+  if (http) {
+    http->Stop(std::max(absl::ZeroDuration(),
+                        drain_started + absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)) -
+                            absl::Now()));
+  }
   health.Stop();
   router->reset();
   return done.ok() ? 0 : 1;

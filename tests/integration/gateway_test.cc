@@ -190,6 +190,7 @@ class GatewayTest : public ::testing::Test {
         VLM_GATEWAY_PATH,
         std::vector<std::string>{
             "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+            "--http_address=127.0.0.1:0",
             "--language_target=" + language_->grpc_target(),
             "--vision_targets=" + vision_a_->grpc_target() + "," + vision_b_->grpc_target(),
             "--backend_reconnect_max_ms=200", "--drain_timeout_s=2"},

@@ -165,7 +165,8 @@ class Stack:
         self._start("vision", backend)
         self._start("language", backend)
         self._start("gateway", [f"--vision_targets={self.grpc['vision']}",
-                                f"--language_target={self.grpc['language']}"])
+                                f"--language_target={self.grpc['language']}",
+                                "--http_address=127.0.0.1:0"])
         self.wait_ready(600)
 
     def wait_ready(self, timeout):

@@ -1,0 +1,421 @@
+#include "services/gateway/chat_pipeline.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+
+#include <algorithm>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/random/random.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "common/sha256.h"
+#include "services/gateway/backend_call.h"
+
+namespace vlm::gateway {
+namespace {
+
+struct GatewayMetrics {
+  prometheus::Gauge& running = prometheus::BuildGauge()
+                                   .Name("vlm_gateway_admission_running")
+                                   .Help("Chat requests admitted and running.")
+                                   .Register(MetricsRegistry())
+                                   .Add({});
+  prometheus::Gauge& queued = prometheus::BuildGauge()
+                                  .Name("vlm_gateway_admission_queued")
+                                  .Help("Chat requests waiting for admission.")
+                                  .Register(MetricsRegistry())
+                                  .Add({});
+  prometheus::Family<prometheus::Counter>& rejected =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_rejected_total")
+          .Help("Chat requests refused before any backend call, by reason.")
+          .Register(MetricsRegistry());
+  prometheus::Histogram& queue_seconds =
+      LatencyHistogramFamily("vlm_gateway_queue_seconds",
+                             "Time a chat request waited for admission.")
+          .Add({}, DefaultLatencyBuckets());
+  prometheus::Histogram& vision_seconds =
+      LatencyHistogramFamily("vlm_gateway_vision_seconds",
+                             "Wall time of a request's parallel image encode phase.")
+          .Add({}, DefaultLatencyBuckets());
+  prometheus::Histogram& first_token_seconds =
+      LatencyHistogramFamily("vlm_gateway_time_to_first_token_seconds",
+                             "From request arrival to the first text delta.")
+          .Add({}, DefaultLatencyBuckets());
+  prometheus::Family<prometheus::Counter>& images =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_images_total")
+          .Help("Images encoded for chat requests, by where their features came from.")
+          .Register(MetricsRegistry());
+  prometheus::Family<prometheus::Counter>& tokens =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_tokens_total")
+          .Help("Tokens of completed chat requests, by kind (prompt, image, completion).")
+          .Register(MetricsRegistry());
+};
+
+GatewayMetrics& Metrics() {
+  static GatewayMetrics* metrics = new GatewayMetrics();
+  return *metrics;
+}
+
+std::string NewRequestId() {
+  thread_local absl::BitGen gen;
+  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
+}
+
+double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
+
+std::string CacheLevelLabel(v1::CacheLevel level) {
+  switch (level) {
+    case v1::CACHE_LEVEL_MISS: return "miss";
+    case v1::CACHE_LEVEL_MEMORY: return "memory";
+    case v1::CACHE_LEVEL_PIXELS: return "pixels";
+    case v1::CACHE_LEVEL_DISK: return "disk";
+    default: return "unspecified";
+  }
+}
+
+// One image of the request, in request order.
+struct ImageJob {
+  int number = 0;  // 1-based
+  const v1::ImagePart* part = nullptr;
+  std::string key;  // hex SHA-256 of the bytes, or the given content hash
+  VisionRouter::EncodeOutcome outcome;
+  double vision_ms = 0;
+};
+
+v1::ImageOptions MergedOptions(const v1::ImageOptions& defaults, const v1::ImageOptions& own) {
+  v1::ImageOptions merged = defaults;
+  if (own.min_pixels() != 0) merged.set_min_pixels(own.min_pixels());
+  if (own.max_pixels() != 0) merged.set_max_pixels(own.max_pixels());
+  return merged;
+}
+
+}  // namespace
+
+bool CollectingSink::OnDelta(v1::ChatChunk& chunk) {
+  response_->mutable_text()->append(chunk.text());
+  for (v1::TokenLogprob& lp : *chunk.mutable_logprobs()) *response_->add_logprobs() = std::move(lp);
+  return true;
+}
+
+bool CollectingSink::OnFinal(v1::ChatChunk& chunk) {
+  OnDelta(chunk);
+  response_->set_finish_reason(chunk.finish_reason());
+  response_->mutable_usage()->Swap(chunk.mutable_usage());
+  response_->mutable_timings()->Swap(chunk.mutable_timings());
+  response_->mutable_images()->Swap(chunk.mutable_images());
+  response_->set_request_id(chunk.request_id());
+  return true;
+}
+
+void Cancellation::Cancel() {
+  std::function<void()> callback;
+  {
+    absl::MutexLock lock(&mu_);
+    if (cancelled_) return;
+    cancelled_ = true;
+    callback = callback_;
+  }
+  if (callback) callback();
+}
+
+bool Cancellation::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
+void Cancellation::Register(std::function<void()> callback) {
+  bool run_now = false;
+  {
+    absl::MutexLock lock(&mu_);
+    callback_ = callback;
+    run_now = cancelled_;
+  }
+  if (run_now && callback) callback();
+}
+
+void Cancellation::Unregister() {
+  absl::MutexLock lock(&mu_);
+  callback_ = nullptr;
+}
+
+struct ChatPipeline::Record {
+  std::string request_id;
+  int images = 0;
+  int cache_hits = 0;
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  double first_token_ms = 0;
+};
+
+Admission::Observer ChatPipeline::AdmissionGauges() {
+  GatewayMetrics* metrics = &Metrics();
+  return [metrics](int running, int queued) {
+    metrics->running.Set(running);
+    metrics->queued.Set(queued);
+  };
+}
+
+ChatPipeline::ChatPipeline(GatewayOptions options, const Readiness* readiness,
+                           Admission* admission, const VisionRouter* router,
+                           std::unique_ptr<v1::Language::StubInterface> language)
+    : options_(std::move(options)),
+      readiness_(readiness),
+      admission_(admission),
+      router_(router),
+      language_(std::move(language)) {
+  Metrics();
+}
+
+grpc::Status ChatPipeline::Run(const ChatCall& call, const v1::ChatRequest& request,
+                               ChatSink* sink) const {
+  const absl::Time start = absl::Now();
+  Record record;
+  const grpc::Status status = Handle(call, request, sink, &record);
+  const LogLevel level = status.ok() || status.error_code() == grpc::StatusCode::CANCELLED ||
+                                 status.error_code() == grpc::StatusCode::INVALID_ARGUMENT
+                             ? LogLevel::kInfo
+                             : LogLevel::kWarning;
+  Log(level, "gateway", "chat",
+      {{"rpc", call.front_end},
+       {"request_id", record.request_id},
+       {"code", GrpcCodeName(status.error_code())},
+       {"error", status.error_message()},
+       {"images", record.images},
+       {"cache_hits", record.cache_hits},
+       {"prompt_tokens", record.prompt_tokens},
+       {"completion_tokens", record.completion_tokens},
+       {"first_token_ms", record.first_token_ms},
+       {"total_ms", Ms(absl::Now() - start)}});
+  return status;
+}
+
+grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& request,
+                                  ChatSink* sink, Record* record) const {
+  const absl::Time start = absl::Now();
+  GatewayMetrics& metrics = Metrics();
+  record->request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
+  const std::string& request_id = record->request_id;
+
+  if (grpc::Status s = readiness_->CheckGrpc(kServiceName); !s.ok()) {
+    metrics.rejected.Add({{"reason", "not_serving"}}).Increment();
+    return s;
+  }
+  if (absl::Status s = ValidateChatRequest(request, options_.limits); !s.ok()) {
+    metrics.rejected.Add({{"reason", "invalid_argument"}}).Increment();
+    return ToGrpcStatus(s);
+  }
+  const grpc::ServerContextBase* context = call.grpc_context;
+  Cancellation* const cancellation = call.cancellation;
+  absl::Time deadline = call.deadline;
+  if (context != nullptr) deadline = std::min(deadline, FromGrpcDeadline(context->deadline()));
+  if (deadline == absl::InfiniteFuture() && options_.default_deadline != absl::InfiniteDuration()) {
+    deadline = start + options_.default_deadline;
+  }
+
+  // --- admission -----------------------------------------------------------
+  absl::StatusOr<Admission::Permit> permit =
+      admission_->Acquire(deadline, [context, cancellation] {
+        return (context != nullptr && context->IsCancelled()) ||
+               (cancellation != nullptr && cancellation->cancelled());
+      });
+  if (!permit.ok()) {
+    const char* reason = permit.status().code() == absl::StatusCode::kResourceExhausted
+                             ? "capacity"
+                             : permit.status().code() == absl::StatusCode::kCancelled ? "cancelled"
+                                                                                       : "deadline";
+    metrics.rejected.Add({{"reason", reason}}).Increment();
+    return ToGrpcStatus(permit.status());
+  }
+  const absl::Time admitted = absl::Now();
+  metrics.queue_seconds.Observe(absl::ToDoubleSeconds(admitted - start));
+
+  // --- images: encoded in parallel, each on its rendezvous replica ----------
+  std::vector<ImageJob> jobs;
+  for (const v1::ChatMessage& message : request.messages()) {
+    for (const v1::ContentPart& part : message.content()) {
+      if (!part.has_image()) continue;
+      ImageJob job;
+      job.number = static_cast<int>(jobs.size()) + 1;
+      job.part = &part.image();
+      jobs.push_back(std::move(job));
+    }
+  }
+  record->images = static_cast<int>(jobs.size());
+  auto encode = [&](ImageJob& job) {
+    const absl::Time begin = absl::Now();
+    v1::EncodeRequest encode_request;
+    if (job.part->source_case() == v1::ImagePart::kData) {
+      job.key = Sha256Hex(job.part->data());
+      encode_request.set_image(job.part->data());
+    } else {
+      job.key = absl::AsciiStrToLower(job.part->content_hash());
+      encode_request.set_content_hash(job.key);
+    }
+    *encode_request.mutable_options() =
+        MergedOptions(request.image_options(), job.part->options());
+    job.outcome = router_->Encode(context, deadline, job.key, encode_request, request_id);
+    job.vision_ms = Ms(absl::Now() - begin);
+  };
+  const absl::Time vision_start = absl::Now();
+  if (!jobs.empty()) {
+    std::vector<std::thread> threads;
+    for (size_t i = 1; i < jobs.size(); ++i) threads.emplace_back(encode, std::ref(jobs[i]));
+    encode(jobs[0]);
+    for (std::thread& t : threads) t.join();
+  }
+  const double vision_ms = Ms(absl::Now() - vision_start);
+  if (!jobs.empty()) metrics.vision_seconds.Observe(vision_ms / 1000);
+  for (const ImageJob& job : jobs) {
+    if (!job.outcome.status.ok()) {
+      return MapVisionError(job.number, job.outcome.status, job.outcome.replica,
+                            job.outcome.attempts);
+    }
+  }
+
+  std::vector<v1::ImageResult> images;
+  for (ImageJob& job : jobs) {
+    const v1::EncodeResponse& r = job.outcome.response;
+    v1::ImageResult result;
+    result.set_content_hash(r.features().content_hash().empty() ? job.key
+                                                                : r.features().content_hash());
+    result.set_cache(r.cache());
+    *result.mutable_grid() = r.features().grid();
+    const int64_t merge = options_.spatial_merge_size;
+    result.set_tokens(static_cast<int32_t>(r.features().grid().t() * r.features().grid().h() *
+                                           r.features().grid().w() / (merge * merge)));
+    result.set_vision_ms(job.vision_ms);
+    result.set_replica(r.replica().empty() ? job.outcome.replica : r.replica());
+    metrics.images.Add({{"cache", CacheLevelLabel(r.cache())}}).Increment();
+    if (r.cache() != v1::CACHE_LEVEL_MISS && r.cache() != v1::CACHE_LEVEL_UNSPECIFIED) {
+      ++record->cache_hits;
+    }
+    images.push_back(std::move(result));
+  }
+
+  // --- the language call ----------------------------------------------------
+  v1::GenerateRequest generate;
+  {
+    size_t next_image = 0;
+    for (const v1::ChatMessage& message : request.messages()) {
+      v1::LanguageMessage* out = generate.add_messages();
+      out->set_role(message.role());
+      for (const v1::ContentPart& part : message.content()) {
+        v1::LanguageContentPart* out_part = out->add_content();
+        if (part.has_image()) {
+          out_part->mutable_image()->Swap(
+              jobs[next_image++].outcome.response.mutable_features());
+        } else {
+          out_part->set_text(part.text());
+        }
+      }
+    }
+  }
+  *generate.mutable_params() = request.params();
+  if (!generate.params().has_max_tokens() && options_.default_max_tokens > 0) {
+    generate.mutable_params()->set_max_tokens(options_.default_max_tokens);
+  }
+  generate.set_add_generation_prompt(true);
+  generate.set_request_id(request_id);
+
+  std::unique_ptr<grpc::ClientContext> backend = BackendContext(context, deadline, request_id);
+  // A front end's cancellation (e.g. an HTTP client gone) reaches the language
+  // service at once, not only at the next delta.
+  if (cancellation != nullptr) {
+    grpc::ClientContext* raw = backend.get();
+    cancellation->Register([raw] { raw->TryCancel(); });
+  }
+  struct Unregister {
+    Cancellation* c;
+    ~Unregister() {
+      if (c != nullptr) c->Unregister();
+    }
+  } unregister{cancellation};
+  std::unique_ptr<grpc::ClientReaderInterface<v1::GenerateResponse>> reader =
+      language_->Generate(backend.get(), generate);
+  generate.Clear();  // the features can be large; the call has serialized them
+
+  v1::GenerateResponse delta;
+  v1::GenerateResponse last;
+  bool finished = false;
+  bool client_gone = false;
+  int chunks = 0;
+  double first_token_ms = -1;
+  while (reader->Read(&delta)) {
+    if (first_token_ms < 0 && (!delta.text().empty() || delta.token_ids_size() > 0)) {
+      first_token_ms = Ms(absl::Now() - start);
+    }
+    if (delta.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      // Held back until the stream's status says the generation really ended well.
+      last = std::move(delta);
+      finished = true;
+      continue;
+    }
+    ++chunks;
+    v1::ChatChunk chunk;
+    chunk.set_text(delta.text());
+    chunk.mutable_logprobs()->Swap(delta.mutable_logprobs());
+    chunk.set_request_id(request_id);
+    if (!sink->OnDelta(chunk) || (cancellation != nullptr && cancellation->cancelled())) {
+      client_gone = true;
+      backend->TryCancel();
+      break;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  if (client_gone) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+  }
+  // The caller's cancellation or deadline shows up here as the backend's
+  // CANCELLED or DEADLINE_EXCEEDED.
+  if (!status.ok()) return MapLanguageError(status, chunks);
+  if (!finished) {
+    return grpc::Status(grpc::StatusCode::INTERNAL,
+                        "language service ended the stream without a finish reason");
+  }
+
+  // --- the final result -----------------------------------------------------
+  const v1::LanguageTimings& lt = last.timings();
+  v1::ChatTimings timings;
+  timings.set_queue_ms(Ms(admitted - start) + lt.queue_ms());
+  timings.set_vision_ms(vision_ms);
+  timings.set_projector_ms(lt.projector_ms());
+  timings.set_prefill_ms(lt.prefill_ms());
+  if (first_token_ms < 0 && !last.text().empty()) first_token_ms = Ms(absl::Now() - start);
+  timings.set_first_token_ms(first_token_ms < 0 ? 0 : first_token_ms);
+  timings.set_decode_ms(lt.decode_ms());
+  timings.set_total_ms(Ms(absl::Now() - start));
+  if (first_token_ms >= 0) metrics.first_token_seconds.Observe(first_token_ms / 1000);
+  record->first_token_ms = timings.first_token_ms();
+  record->prompt_tokens = last.usage().prompt_tokens();
+  record->completion_tokens = last.usage().completion_tokens();
+  metrics.tokens.Add({{"kind", "prompt"}}).Increment(last.usage().prompt_tokens());
+  metrics.tokens.Add({{"kind", "image"}}).Increment(last.usage().image_tokens());
+  metrics.tokens.Add({{"kind", "completion"}}).Increment(last.usage().completion_tokens());
+
+  v1::ChatChunk chunk;
+  chunk.set_text(last.text());
+  chunk.mutable_logprobs()->Swap(last.mutable_logprobs());
+  chunk.set_finish_reason(last.finish_reason());
+  *chunk.mutable_usage() = last.usage();
+  *chunk.mutable_timings() = timings;
+  for (v1::ImageResult& image : images) *chunk.add_images() = std::move(image);
+  chunk.set_request_id(request_id);
+  if (!sink->OnFinal(chunk)) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace vlm::gateway

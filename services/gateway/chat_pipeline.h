@@ -1,0 +1,136 @@
+// The gateway's one request pipeline, shared by both front ends (gRPC
+// vlm.v1.VisionLanguage and the OpenAI-compatible HTTP API):
+//
+//   readiness -> validate -> admit -> encode images in parallel (each on its
+//   rendezvous replica) -> stream the language service's generation
+//
+// Output goes to a ChatSink in order (text deltas, then one final chunk); a
+// sink that reports its client gone, or a Cancellation, cancels the backend
+// calls, so the language service frees the sequence's slot. Errors come back as
+// grpc::Status (the same codes for both front ends; HTTP maps them with
+// HttpStatusForCode, http_status.h).
+//
+// Thread-safety: Run may be called from many threads at once; the router,
+// admission and the language stub are shared and thread-safe. Nothing here is
+// owned except the language stub.
+#ifndef VLM_SERVICES_GATEWAY_CHAT_PIPELINE_H_
+#define VLM_SERVICES_GATEWAY_CHAT_PIPELINE_H_
+
+#include <grpcpp/server_context.h>
+#include <grpcpp/support/status.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/readiness.h"
+#include "services/gateway/admission.h"
+#include "services/gateway/router.h"
+#include "services/gateway/validation.h"
+#include "vlm/v1/gateway.pb.h"
+#include "vlm/v1/language.grpc.pb.h"
+
+namespace vlm::gateway {
+
+struct GatewayOptions {
+  ValidationLimits limits;
+  // Qwen3-VL merges 2x2 patches into one token: an image takes
+  // t*h*w / spatial_merge_size^2 tokens (ImageResult.tokens).
+  int spatial_merge_size = 2;
+  // Applied when the client sets no deadline (InfiniteDuration: none).
+  absl::Duration default_deadline = absl::Minutes(5);
+  // params.max_tokens when the client leaves it unset (0: leave it to the
+  // language service, which then generates up to the context length).
+  int default_max_tokens = 0;
+};
+
+// Where a request's output goes. Called on the thread that runs the pipeline,
+// never concurrently. Returning false means the client is gone: the pipeline
+// cancels the generation and returns CANCELLED.
+class ChatSink {
+ public:
+  virtual ~ChatSink() = default;
+  // A text delta with its tokens' logprobs (text may be empty when a token
+  // completes no UTF-8 character yet). request_id is set.
+  virtual bool OnDelta(v1::ChatChunk& chunk) = 0;
+  // The last chunk, only after the generation ended well: its own text delta,
+  // finish_reason, usage, timings and per-image results.
+  virtual bool OnFinal(v1::ChatChunk& chunk) = 0;
+};
+
+// Gathers a request's output into one ChatResponse (non-streaming calls).
+class CollectingSink final : public ChatSink {
+ public:
+  explicit CollectingSink(v1::ChatResponse* response) : response_(response) {}
+  bool OnDelta(v1::ChatChunk& chunk) override;
+  bool OnFinal(v1::ChatChunk& chunk) override;
+
+ private:
+  v1::ChatResponse* response_;
+};
+
+// A cancellation signal one front end raises from any thread (e.g. an HTTP
+// client's connection closed) and the pipeline observes. Thread-safe.
+class Cancellation {
+ public:
+  // Idempotent; runs the registered callback (outside the lock).
+  void Cancel();
+  bool cancelled() const;
+
+  // While registered, `callback` runs on Cancel() (at once if already
+  // cancelled). One at a time; Unregister waits for nothing.
+  void Register(std::function<void()> callback);
+  void Unregister();
+
+ private:
+  mutable absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> callback_ ABSL_GUARDED_BY(mu_);
+};
+
+// Who is calling, for deadlines, cancellation and the access log.
+struct ChatCall {
+  const char* front_end = "grpc";  // access log "rpc" field: Chat, ChatStream, http, http_stream
+  // The gRPC caller (may be null): its deadline and cancellation reach both backends.
+  const grpc::ServerContextBase* grpc_context = nullptr;
+  // A deadline set by the front end (InfiniteFuture: none; the default applies
+  // when neither this nor the gRPC context sets one).
+  absl::Time deadline = absl::InfiniteFuture();
+  Cancellation* cancellation = nullptr;  // may be null; not owned
+};
+
+class ChatPipeline {
+ public:
+  static constexpr char kServiceName[] = "vlm.v1.VisionLanguage";
+
+  ChatPipeline(GatewayOptions options, const Readiness* readiness, Admission* admission,
+               const VisionRouter* router, std::unique_ptr<v1::Language::StubInterface> language);
+
+  // Runs one request to the end (or its first error) and logs one access line.
+  // request.request_id is used when set, else a new id is made.
+  grpc::Status Run(const ChatCall& call, const v1::ChatRequest& request, ChatSink* sink) const;
+
+  const GatewayOptions& options() const { return options_; }
+  const Readiness* readiness() const { return readiness_; }
+
+  // Gauges vlm_gateway_admission_{running,queued}, for Admission's observer.
+  static Admission::Observer AdmissionGauges();
+
+ private:
+  struct Record;  // what the access log line reports
+  grpc::Status Handle(const ChatCall& call, const v1::ChatRequest& request, ChatSink* sink,
+                      Record* record) const;
+
+  const GatewayOptions options_;
+  const Readiness* const readiness_;
+  Admission* const admission_;
+  const VisionRouter* const router_;
+  const std::unique_ptr<v1::Language::StubInterface> language_;
+};
+
+}  // namespace vlm::gateway
+
+#endif  // VLM_SERVICES_GATEWAY_CHAT_PIPELINE_H_

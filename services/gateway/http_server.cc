@@ -1,0 +1,459 @@
+#include "services/gateway/http_server.h"
+
+#include <httplib.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/random/random.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "services/gateway/http_status.h"
+#include "services/gateway/openai_protocol.h"
+#include "services/gateway/web_assets.h"
+
+namespace vlm::gateway {
+namespace {
+
+constexpr char kJson[] = "application/json";
+constexpr char kChatRoute[] = "/v1/chat/completions";
+constexpr char kModelsRoute[] = "/v1/models";
+
+struct HttpMetrics {
+  prometheus::Family<prometheus::Counter>& requests =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_http_requests_total")
+          .Help("HTTP requests answered by the gateway, by route and status.")
+          .Register(MetricsRegistry());
+  prometheus::Gauge& sse_open = prometheus::BuildGauge()
+                                    .Name("vlm_gateway_http_sse_streams_open")
+                                    .Help("Server-sent-event streams open right now.")
+                                    .Register(MetricsRegistry())
+                                    .Add({});
+};
+
+HttpMetrics& Metrics() {
+  static HttpMetrics* metrics = new HttpMetrics();
+  return *metrics;
+}
+
+// A bounded label set: unknown paths are "other".
+std::string RouteLabel(const std::string& path) {
+  if (path == kChatRoute || path == kModelsRoute || path == "/health") return path;
+  if (FindWebAsset(path) != nullptr) return "page";
+  return "other";
+}
+
+std::string NewCompletionId() {
+  thread_local absl::BitGen gen;
+  return absl::StrFormat("%016x%08x", absl::Uniform<uint64_t>(gen), absl::Uniform<uint32_t>(gen));
+}
+
+void SendError(httplib::Response& res, const ApiError& error) {
+  res.status = HttpStatusForCode(error.code);
+  if (ShouldRetryAfter(error.code)) res.set_header("Retry-After", "1");
+  res.set_content(ErrorJson(error), kJson);
+}
+
+std::string SseEvent(const std::string& data) { return absl::StrCat("data: ", data, "\n\n"); }
+
+// "http://host:port/path" -> ("http://host:port", "/path").
+std::pair<std::string, std::string> SplitUrl(const std::string& url) {
+  const size_t scheme = url.find("://");
+  const size_t slash = url.find('/', scheme == std::string::npos ? 0 : scheme + 3);
+  if (slash == std::string::npos) return {url, "/"};
+  return {url.substr(0, slash), url.substr(slash)};
+}
+
+// One streamed completion: the pipeline runs on `worker` and queues SSE
+// events; the connection's thread writes them.
+struct SseStream {
+  absl::Mutex mu;
+  std::deque<std::string> events ABSL_GUARDED_BY(mu);
+  bool finished ABSL_GUARDED_BY(mu) = false;
+  grpc::Status status ABSL_GUARDED_BY(mu);
+  Cancellation cancellation;
+  std::thread worker;
+
+  void Push(std::string event) {
+    absl::MutexLock lock(&mu);
+    events.push_back(std::move(event));
+  }
+};
+
+class SseSink final : public ChatSink {
+ public:
+  SseSink(SseStream* stream, const ChunkFormatter* format) : stream_(stream), format_(format) {}
+  bool OnDelta(v1::ChatChunk& chunk) override {
+    Start();
+    stream_->Push(SseEvent(format_->DeltaChunk(chunk)));
+    return !stream_->cancellation.cancelled();
+  }
+  bool OnFinal(v1::ChatChunk& chunk) override {
+    Start();
+    for (std::string& c : format_->FinalChunks(chunk)) stream_->Push(SseEvent(c));
+    return !stream_->cancellation.cancelled();
+  }
+
+ private:
+  void Start() {
+    if (started_) return;
+    started_ = true;
+    stream_->Push(SseEvent(format_->RoleChunk()));
+  }
+  SseStream* stream_;
+  const ChunkFormatter* format_;
+  bool started_ = false;
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  HttpServerOptions options;
+  const ChatPipeline* pipeline = nullptr;
+  const ApiKeys* api_keys = nullptr;
+  int64_t created = 0;  // /v1/models "created": the server's start
+  httplib::Server http;
+  std::thread thread;
+
+  // Requests running (chat only) and their cancellations, for Stop().
+  absl::Mutex mu;
+  std::set<Cancellation*> running ABSL_GUARDED_BY(mu);
+  bool stopped ABSL_GUARDED_BY(mu) = false;
+
+  void Track(Cancellation* c) {
+    absl::MutexLock lock(&mu);
+    running.insert(c);
+  }
+  void Untrack(Cancellation* c) {
+    absl::MutexLock lock(&mu);
+    running.erase(c);
+  }
+
+  bool Authorized(const httplib::Request& req, httplib::Response& res) const {
+    if (api_keys == nullptr) return true;
+    absl::Status s = api_keys->CheckAuthorization(req.get_header_value("Authorization"));
+    if (s.ok()) return true;
+    SendError(res, ApiErrorFromStatus(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                                                   std::string(s.message()))));
+    res.set_header("WWW-Authenticate", "Bearer");
+    return false;
+  }
+
+  std::optional<ApiError> FetchRemoteImages(OpenAiChatRequest* parsed) const;
+  void Chat(const httplib::Request& req, httplib::Response& res);
+  void Install();
+};
+
+std::optional<ApiError> HttpServer::Impl::FetchRemoteImages(OpenAiChatRequest* parsed) const {
+  for (const RemoteImage& remote : parsed->remote_images) {
+    auto [origin, path] = SplitUrl(remote.url);
+    httplib::Client client(origin);
+    const int64_t timeout_us = absl::ToInt64Microseconds(options.remote_image_timeout);
+    client.set_connection_timeout(timeout_us / 1000000, timeout_us % 1000000);
+    client.set_read_timeout(timeout_us / 1000000, timeout_us % 1000000);
+    client.set_follow_location(false);
+    std::string body;
+    bool too_large = false;
+    const absl::Time give_up = absl::Now() + options.remote_image_timeout;
+    auto result = client.Get(path, [&](const char* data, size_t length) {
+      body.append(data, length);
+      too_large = static_cast<int64_t>(body.size()) > options.max_remote_image_bytes;
+      return !too_large && absl::Now() < give_up;
+    });
+    ApiError e;
+    e.code = grpc::StatusCode::INVALID_ARGUMENT;
+    e.param = remote.param;
+    e.error_code = "image_fetch_failed";
+    if (too_large) {
+      e.message = absl::StrCat(remote.param, ": the image at ", remote.url, " is larger than ",
+                               options.max_remote_image_bytes, " bytes");
+      return e;
+    }
+    if (!result) {
+      e.message = absl::StrCat(remote.param, ": cannot fetch ", remote.url, ": ",
+                               absl::Now() >= give_up ? "timed out" : httplib::to_string(result.error()));
+      return e;
+    }
+    if (result->status != 200) {
+      e.message = absl::StrCat(remote.param, ": fetching ", remote.url, " answered HTTP ",
+                               result->status);
+      return e;
+    }
+    if (SniffImageType(body).empty()) {
+      e.message = absl::StrCat(remote.param, ": ", remote.url,
+                               " is not a JPEG, PNG or WebP image");
+      return e;
+    }
+    parsed->request.mutable_messages(remote.message)
+        ->mutable_content(remote.part)
+        ->mutable_image()
+        ->set_data(std::move(body));
+  }
+  return std::nullopt;
+}
+
+void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res) {
+  if (!Authorized(req, res)) return;
+  OpenAiChatRequest parsed;
+  ParseOptions parse;
+  parse.served_model_name = options.served_model_name;
+  parse.allow_remote_images = options.allow_remote_images;
+  if (auto e = ParseChatCompletionRequest(req.body, parse, &parsed)) return SendError(res, *e);
+  if (auto e = FetchRemoteImages(&parsed)) return SendError(res, *e);
+
+  const std::string id = NewCompletionId();
+  parsed.request.set_request_id(id);
+  res.set_header("X-Request-Id", id);
+  auto format = std::make_shared<ChunkFormatter>(
+      absl::StrCat("chatcmpl-", id), absl::ToUnixSeconds(absl::Now()), parsed.model,
+      parsed.logprobs, parsed.include_usage);
+
+  if (!parsed.stream) {
+    Cancellation cancellation;
+    Track(&cancellation);
+    ChatCall call;
+    call.front_end = "http";
+    call.cancellation = &cancellation;
+    v1::ChatResponse response;
+    CollectingSink sink(&response);
+    const grpc::Status status = pipeline->Run(call, parsed.request, &sink);
+    Untrack(&cancellation);
+    if (!status.ok()) return SendError(res, ApiErrorFromStatus(status, &parsed.request));
+    res.set_content(format->Completion(response), kJson);
+    return;
+  }
+
+  // Streaming: the pipeline runs on its own thread; this one waits for the
+  // first event (commit to SSE) or an early error (a plain error response).
+  auto stream = std::make_shared<SseStream>();
+  Track(&stream->cancellation);
+  // The request, to name an image's param in errors; its image bytes go to the pipeline.
+  auto request = std::make_shared<const v1::ChatRequest>(std::move(parsed.request));
+  stream->worker = std::thread([this, stream, format, request] {
+    SseSink sink(stream.get(), format.get());
+    ChatCall call;
+    call.front_end = "http_stream";
+    call.cancellation = &stream->cancellation;
+    grpc::Status status = pipeline->Run(call, *request, &sink);
+    absl::MutexLock lock(&stream->mu);
+    stream->status = std::move(status);
+    stream->finished = true;
+  });
+  bool early_error = false;
+  grpc::Status status;
+  {
+    absl::MutexLock lock(&stream->mu);
+    stream->mu.Await(absl::Condition(
+        +[](SseStream* s) ABSL_SHARED_LOCKS_REQUIRED(s->mu) { return !s->events.empty() || s->finished; },
+        stream.get()));
+    early_error = stream->events.empty();
+    status = stream->status;
+  }
+  if (early_error) {
+    stream->worker.join();
+    Untrack(&stream->cancellation);
+    return SendError(res, ApiErrorFromStatus(status, request.get()));
+  }
+
+  Metrics().sse_open.Increment();
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [stream, request](size_t, httplib::DataSink& sink) {
+        std::deque<std::string> batch;
+        bool done = false;
+        grpc::Status final_status;
+        {
+          absl::MutexLock lock(&stream->mu);
+          stream->mu.AwaitWithTimeout(
+              absl::Condition(
+                  +[](SseStream* s) ABSL_SHARED_LOCKS_REQUIRED(s->mu) {
+                    return !s->events.empty() || s->finished;
+                  },
+                  stream.get()),
+              absl::Seconds(10));
+          batch.swap(stream->events);
+          done = stream->finished;
+          final_status = stream->status;
+        }
+        // A comment line while nothing happens (a long prefill): SSE clients
+        // ignore it, and a failed write shows that the client left.
+        if (batch.empty() && !done) batch.push_back(": keep-alive\n\n");
+        if (done) {
+          if (!final_status.ok()) {
+            batch.push_back(SseEvent(ErrorJson(ApiErrorFromStatus(final_status, request.get()))));
+          }
+          batch.push_back("data: [DONE]\n\n");
+        }
+        for (const std::string& event : batch) {
+          if (!sink.write(event.data(), event.size())) {
+            stream->cancellation.Cancel();
+            return false;
+          }
+        }
+        if (done) sink.done();
+        return true;
+      },
+      [this, stream](bool success) {
+        if (!success) stream->cancellation.Cancel();
+        if (stream->worker.joinable()) stream->worker.join();
+        Untrack(&stream->cancellation);
+        Metrics().sse_open.Decrement();
+      });
+}
+
+void HttpServer::Impl::Install() {
+  http.new_task_queue = [n = options.threads] { return new httplib::ThreadPool(n); };
+  // As for /metrics: no SO_REUSEPORT, so two processes cannot share a port silently.
+  http.set_socket_options([](int sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  http.set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
+  // A 50 MB upload over a slow link must not be cut by the 5 s default.
+  http.set_read_timeout(60, 0);
+
+  http.Post(kChatRoute, [this](const httplib::Request& req, httplib::Response& res) {
+    Chat(req, res);
+  });
+  http.Get(kModelsRoute, [this](const httplib::Request& req, httplib::Response& res) {
+    if (!Authorized(req, res)) return;
+    nlohmann::json model = {{"id", options.served_model_name},
+                            {"object", "model"},
+                            {"created", created},
+                            {"owned_by", "vlm"}};
+    res.set_content(DumpJson({{"object", "list"}, {"data", nlohmann::json::array({model})}}),
+                    kJson);
+  });
+  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    absl::Status s = pipeline->readiness()->Check(ChatPipeline::kServiceName);
+    if (s.ok()) {
+      res.set_content("{\"status\":\"SERVING\"}", kJson);
+    } else {
+      res.status = 503;
+      res.set_content(DumpJson({{"status", "NOT_SERVING"}, {"reason", s.message()}}), kJson);
+    }
+  });
+  http.Get("/favicon.ico", [](const httplib::Request&, httplib::Response& res) { res.status = 204; });
+  http.Get(R"(/|/[A-Za-z0-9_.-]+\.(js|css|html))",
+           [](const httplib::Request& req, httplib::Response& res) {
+             const WebAsset* asset = FindWebAsset(req.path == "/" ? "/index.html" : req.path);
+             if (asset == nullptr) {
+               res.status = 404;
+               return;
+             }
+             res.set_header("Cache-Control", "no-cache");
+             res.set_content(std::string(asset->body), std::string(asset->content_type).c_str());
+           });
+
+  // Statuses httplib sets itself (404 no route, 413 too large, 400 bad
+  // request line ...) get an OpenAI error body too.
+  http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty() || res.status == 204) return;
+    ApiError e;
+    switch (res.status) {
+      case 413:
+        e.code = grpc::StatusCode::INVALID_ARGUMENT;
+        e.message = absl::StrCat("the request body is larger than ", options.max_body_bytes,
+                                 " bytes (--max_http_body_bytes)");
+        e.error_code = "request_too_large";
+        break;
+      case 404:
+        e.code = grpc::StatusCode::NOT_FOUND;
+        e.message = absl::StrCat("no route ", req.method, " ", req.path);
+        break;
+      case 405:
+        e.code = grpc::StatusCode::INVALID_ARGUMENT;
+        e.message = absl::StrCat("method ", req.method, " not allowed on ", req.path);
+        break;
+      default:
+        e.code = res.status < 500 ? grpc::StatusCode::INVALID_ARGUMENT : grpc::StatusCode::INTERNAL;
+        e.message = absl::StrCat("HTTP ", res.status);
+    }
+    res.set_content(ErrorJson(e), kJson);
+  });
+
+  http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    HttpMetrics& m = Metrics();
+    const std::string route = RouteLabel(req.path);
+    m.requests.Add({{"route", route}, {"status", std::to_string(res.status)}}).Increment();
+  });
+}
+
+HttpServer::HttpServer(std::unique_ptr<Impl> impl, std::string host, int port)
+    : impl_(std::move(impl)), host_(std::move(host)), port_(port) {}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions options,
+                                                              const ChatPipeline* pipeline,
+                                                              const ApiKeys* api_keys) {
+  absl::StatusOr<std::pair<std::string, int>> host_port = ParseHostPort(options.address);
+  if (!host_port.ok()) return host_port.status();
+  auto [host, port] = *host_port;
+  Metrics();
+
+  auto impl = std::make_unique<Impl>();
+  impl->options = std::move(options);
+  impl->pipeline = pipeline;
+  impl->api_keys = api_keys;
+  impl->created = absl::ToUnixSeconds(absl::Now());
+  impl->Install();
+  httplib::Server& http = impl->http;
+  if (port == 0) {
+    port = http.bind_to_any_port(host);
+  } else if (!http.bind_to_port(host, port)) {
+    port = -1;
+  }
+  if (port <= 0) {
+    return absl::UnavailableError(absl::StrCat("HTTP server cannot bind ", impl->options.address,
+                                               " (address in use or not local?)"));
+  }
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->http.listen_after_bind(); });
+  for (int i = 0; i < 5000 && !http.is_running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl), host, port));
+}
+
+HttpServer::~HttpServer() { Stop(absl::ZeroDuration()); }
+
+void HttpServer::Stop(absl::Duration grace) {
+  if (impl_ == nullptr) return;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (impl_->stopped) return;
+    impl_->stopped = true;
+    impl_->mu.AwaitWithTimeout(absl::Condition(
+                                   +[](Impl* i) ABSL_SHARED_LOCKS_REQUIRED(i->mu) {
+                                     return i->running.empty();
+                                   },
+                                   impl_.get()),
+                               grace);
+    for (Cancellation* c : impl_->running) c->Cancel();
+  }
+  impl_->http.stop();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+std::string HttpServer::address() const {
+  return host_.find(':') != std::string::npos ? absl::StrCat("[", host_, "]:", port_)
+                                              : absl::StrCat(host_, ":", port_);
+}
+
+}  // namespace vlm::gateway

@@ -1,0 +1,84 @@
+// The gateway's HTTP front end (cpp-httplib), over the same ChatPipeline as
+// gRPC vlm.v1.VisionLanguage:
+//
+//   POST /v1/chat/completions  OpenAI chat completions, JSON or SSE (stream: true)
+//   GET  /v1/models            the served model
+//   GET  /health               200 only while the gateway is SERVING (else 503)
+//   GET  /, /app.js, /style.css  the web page (compiled into the binary)
+//
+// Authentication: with API keys configured, /v1/* need `Authorization: Bearer
+// KEY` (401 otherwise); /health and the page stay open (the page holds no
+// secret and asks for a key when the API answers 401).
+//
+// Errors are OpenAI error objects with the status of http_status.h. A body
+// over max_body_bytes gets 413 before it is parsed.
+//
+// Streaming: the response commits to 200 + text/event-stream only when the
+// first chunk exists, so errors before any token (validation, admission, image
+// encoding, warm-up) keep their own status. A client that goes away (a write
+// fails) cancels the generation: the language service frees the slot and the
+// admission permit is released. A non-streaming request runs to its end (or
+// its deadline) even if its client leaves: nothing is written until then.
+//
+// Metrics (on the gateway's /metrics): vlm_gateway_http_requests_total{route,
+// status} (route: the API paths, "page" or "other") and
+// vlm_gateway_http_sse_streams_open; the chat latencies are the pipeline's own
+// (vlm_gateway_queue_seconds, ..., shared with gRPC).
+//
+// Thread-safety: Start/Stop from one thread; requests run on the server's pool.
+#ifndef VLM_SERVICES_GATEWAY_HTTP_SERVER_H_
+#define VLM_SERVICES_GATEWAY_HTTP_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "services/gateway/api_keys.h"
+#include "services/gateway/chat_pipeline.h"
+
+namespace vlm::gateway {
+
+struct HttpServerOptions {
+  std::string address = "0.0.0.0:8080";  // port 0 picks a free port
+  std::string served_model_name = "qwen3-vl";
+  int64_t max_body_bytes = 32 << 20;     // larger bodies get 413
+  int threads = 64;                      // concurrent connections served (a stream holds one)
+  bool allow_remote_images = false;      // fetch http(s) image URLs
+  int64_t max_remote_image_bytes = 20 << 20;
+  absl::Duration remote_image_timeout = absl::Seconds(10);
+};
+
+class HttpServer {
+ public:
+  // Binds and serves on background threads. `pipeline` must outlive the
+  // server; `api_keys` may be null (no authentication). Errors: bad address,
+  // cannot bind.
+  static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerOptions options,
+                                                           const ChatPipeline* pipeline,
+                                                           const ApiKeys* api_keys);
+  ~HttpServer();  // Stop(absl::ZeroDuration())
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Stops accepting, gives running requests up to `grace` to finish, cancels
+  // the rest, and returns once every request thread has ended. Idempotent.
+  void Stop(absl::Duration grace);
+
+  int port() const { return port_; }
+  std::string address() const;  // host:port as bound
+
+  struct Impl;
+
+ private:
+  HttpServer(std::unique_ptr<Impl> impl, std::string host, int port);
+
+  std::unique_ptr<Impl> impl_;
+  std::string host_;
+  int port_;
+};
+
+}  // namespace vlm::gateway
+
+#endif  // VLM_SERVICES_GATEWAY_HTTP_SERVER_H_

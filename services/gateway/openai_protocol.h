@@ -1,0 +1,121 @@
+// The OpenAI chat-completions wire format <-> the gateway's ChatRequest and
+// ChatChunk: request parsing (with errors naming the offending field, as
+// OpenAI's `param`), and the JSON of chat.completion, chat.completion.chunk,
+// usage, logprobs and error objects, in the shapes of OpenAI's API reference.
+//
+// Extension fields (ignored by OpenAI clients): request `top_k`, `min_p`,
+// `repetition_penalty`, `ignore_eos`; response `x_vlm` with the request id,
+// timings (ms), image tokens and per-image results (cache level, grid, replica).
+//
+// Thread-safety: free functions; ChunkFormatter is used by one thread.
+#ifndef VLM_SERVICES_GATEWAY_OPENAI_PROTOCOL_H_
+#define VLM_SERVICES_GATEWAY_OPENAI_PROTOCOL_H_
+
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "vlm/v1/gateway.pb.h"
+
+namespace vlm::gateway {
+
+// An error as the HTTP front end reports it: {"error": {"message", "type",
+// "param", "code"}} with HttpStatusForCode(code) (http_status.h).
+struct ApiError {
+  grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
+  std::string message;
+  std::string param;       // e.g. "temperature", "messages[0].content[1].image_url.url"; "" = null
+  std::string error_code;  // OpenAI's machine-readable "code" ("" = null)
+};
+
+// A pipeline (or backend) status as an ApiError. Validation messages name
+// proto fields ("params.sampling.top_p is 1.5; ..."): they are renamed to the
+// OpenAI parameter ("top_p is 1.5; ...") and that name becomes `param`. With
+// `request`, an error about "image N" points at that image's URL
+// ("messages[i].content[j].image_url.url").
+ApiError ApiErrorFromStatus(const grpc::Status& status, const v1::ChatRequest* request = nullptr);
+
+// {"error": {...}} as JSON text.
+std::string ErrorJson(const ApiError& error);
+
+struct ParseOptions {
+  std::string served_model_name;     // a request naming another model gets 404 model_not_found
+  bool allow_remote_images = false;  // http(s) image URLs; refused (400) when false
+};
+
+// An http(s) image URL left for the front end to fetch into
+// request.messages(message).content(part).image().data.
+struct RemoteImage {
+  int message = 0;
+  int part = 0;
+  std::string url;
+  std::string param;  // where it was, for errors
+};
+
+struct OpenAiChatRequest {
+  v1::ChatRequest request;
+  std::string model;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  bool logprobs = false;
+  std::vector<RemoteImage> remote_images;
+};
+
+// Parses a POST /v1/chat/completions body. Fields whose value is null count
+// as absent. Returns the error (400 naming `param`; 404 for another model) or
+// nullopt with *out filled. Ranges the gateway checks for both front ends
+// (ValidateChatRequest) are left to it.
+std::optional<ApiError> ParseChatCompletionRequest(std::string_view body,
+                                                   const ParseOptions& options,
+                                                   OpenAiChatRequest* out);
+
+// "image/png" etc. from the first bytes, or "" if not JPEG, PNG or WebP (what
+// the vision service decodes).
+std::string SniffImageType(std::string_view bytes);
+
+// Formats one completion's JSON: the same id, created time and model in every
+// object.
+class ChunkFormatter {
+ public:
+  ChunkFormatter(std::string id, int64_t created, std::string model, bool logprobs,
+                 bool include_usage);
+
+  const std::string& id() const { return id_; }
+
+  // chat.completion.chunk objects (JSON text, without SSE framing), in order:
+  std::string RoleChunk() const;                          // delta {role, content ""}
+  std::string DeltaChunk(const v1::ChatChunk& delta) const;  // delta {content} (+ logprobs)
+  // For the last ChatChunk: its own text delta (if any), the chunk with
+  // finish_reason (and x_vlm), then the usage chunk (choices []) when
+  // include_usage.
+  std::vector<std::string> FinalChunks(const v1::ChatChunk& last) const;
+
+  // The chat.completion object of a non-streaming request.
+  std::string Completion(const v1::ChatResponse& response) const;
+
+ private:
+  nlohmann::json ChunkBase() const;
+
+  const std::string id_;
+  const int64_t created_;
+  const std::string model_;
+  const bool logprobs_;
+  const bool include_usage_;
+};
+
+// Pieces shared with the non-streaming path; exposed for tests.
+nlohmann::json UsageJson(const v1::Usage& usage);
+nlohmann::json LogprobsJson(const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs);
+const char* FinishReasonName(v1::FinishReason reason);
+
+// JSON text for the wire: invalid UTF-8 (a lossy token piece) is replaced, never thrown on.
+std::string DumpJson(const nlohmann::json& json);
+
+}  // namespace vlm::gateway
+
+#endif  // VLM_SERVICES_GATEWAY_OPENAI_PROTOCOL_H_

@@ -1,0 +1,180 @@
+// The official `openai` JavaScript SDK against the gateway's HTTP front end on
+// the tiny checkpoint: non-streaming, streaming with usage, an image as a data
+// URL, logprobs, a bad parameter (BadRequestError, 400) and API keys
+// (AuthenticationError, 401). Run by ctest with node's test runner.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import fs from "node:fs";
+import path from "node:path";
+import { startStack, requireModule, makePng, metric } from "./stack.mjs";
+
+const OpenAI = requireModule("openai");
+const KEY = "sk-sdk-test-key";
+let stack;
+let client;
+
+before(async () => {
+  const work = process.env.VLM_WORK_DIR;
+  fs.mkdirSync(work, { recursive: true });
+  const keys = path.join(work, "api_keys");
+  fs.writeFileSync(keys, `${KEY}\n`);
+  stack = await startStack({ gateways: { open: [], keyed: [`--api_keys_file=${keys}`] } });
+  client = new OpenAI({ baseURL: `${stack.http.open}/v1`, apiKey: "unused", maxRetries: 0, timeout: 60000 });
+});
+
+after(async () => {
+  if (stack) await stack.stop();
+});
+
+test("models.list names the checkpoint", async () => {
+  const models = [];
+  for await (const m of client.models.list()) models.push(m.id);
+  assert.deepEqual(models, [stack.model]);
+});
+
+test("non-streaming completion", async () => {
+  const c = await client.chat.completions.create({
+    model: stack.model,
+    messages: [{ role: "system", content: "Be brief." }, { role: "user", content: "Say hello." }],
+    max_tokens: 5,
+    temperature: 0,
+  });
+  assert.match(c.id, /^chatcmpl-/);
+  assert.equal(c.object, "chat.completion");
+  assert.equal(c.model, stack.model);
+  assert.equal(c.choices.length, 1);
+  assert.equal(c.choices[0].message.role, "assistant");
+  assert.equal(typeof c.choices[0].message.content, "string");
+  assert.equal(c.choices[0].finish_reason, "length");
+  assert.equal(c.usage.completion_tokens, 5);
+  assert.equal(c.usage.total_tokens, c.usage.prompt_tokens + 5);
+  assert.equal(typeof c.usage.prompt_tokens_details.cached_tokens, "number");
+});
+
+test("streaming completion with include_usage equals the non-streaming answer", async () => {
+  const request = {
+    model: stack.model,
+    messages: [{ role: "user", content: "Tell me about the sea." }],
+    max_tokens: 6,
+    temperature: 0,
+  };
+  const whole = await client.chat.completions.create(request);
+  const stream = await client.chat.completions.create({
+    ...request, stream: true, stream_options: { include_usage: true },
+  });
+  let text = "";
+  let role = null;
+  let finish = null;
+  let usage = null;
+  let chunks = 0;
+  for await (const chunk of stream) {
+    chunks++;
+    assert.equal(chunk.object, "chat.completion.chunk");
+    if (chunk.usage) usage = chunk.usage;
+    for (const choice of chunk.choices) {
+      if (choice.delta.role) role = choice.delta.role;
+      if (choice.delta.content) text += choice.delta.content;
+      if (choice.finish_reason) finish = choice.finish_reason;
+    }
+  }
+  assert.ok(chunks >= 4, `${chunks} chunks`);
+  assert.equal(role, "assistant");
+  assert.equal(finish, "length");
+  assert.equal(text, whole.choices[0].message.content);
+  assert.equal(usage.completion_tokens, 6);
+});
+
+test("an image as a data URL", async () => {
+  const png = await makePng(96, 64, 3);
+  const c = await client.chat.completions.create({
+    model: stack.model,
+    messages: [{
+      role: "user",
+      content: [
+        { type: "image_url", image_url: { url: `data:image/png;base64,${png.toString("base64")}`, detail: "auto" } },
+        { type: "text", text: "What is in this picture?" },
+      ],
+    }],
+    max_tokens: 4,
+  });
+  assert.equal(c.x_vlm.images.length, 1);
+  assert.equal(c.x_vlm.images[0].tokens, 6);  // 96x64 -> 6 merged tokens
+  assert.ok(c.usage.prompt_tokens > 6);
+});
+
+test("logprobs with top_logprobs", async () => {
+  const c = await client.chat.completions.create({
+    model: stack.model,
+    messages: [{ role: "user", content: "Count." }],
+    max_tokens: 3,
+    temperature: 0,
+    logprobs: true,
+    top_logprobs: 2,
+  });
+  const content = c.choices[0].logprobs.content;
+  assert.equal(content.length, 3);
+  for (const t of content) {
+    assert.ok(t.logprob <= 0);
+    assert.equal(t.top_logprobs.length, 2);
+    assert.deepEqual(t.bytes, [...Buffer.from(t.token, "utf8")]);
+  }
+  assert.equal(content.map((t) => t.token).join(""), c.choices[0].message.content);
+});
+
+test("a bad parameter raises BadRequestError (400) naming it", async () => {
+  await assert.rejects(
+    client.chat.completions.create({
+      model: stack.model, messages: [{ role: "user", content: "hi" }], top_p: 7,
+    }),
+    (e) => {
+      assert.ok(e instanceof OpenAI.BadRequestError, e.constructor.name);
+      assert.equal(e.status, 400);
+      assert.equal(e.param, "top_p");
+      assert.equal(e.type, "invalid_request_error");
+      return true;
+    });
+  // And the server keeps serving.
+  const ok = await client.chat.completions.create({
+    model: stack.model, messages: [{ role: "user", content: "hi" }], max_tokens: 1,
+  });
+  assert.equal(ok.usage.completion_tokens, 1);
+});
+
+test("a wrong API key raises AuthenticationError (401); the right one works", async () => {
+  const wrong = new OpenAI({ baseURL: `${stack.http.keyed}/v1`, apiKey: "sk-wrong", maxRetries: 0 });
+  await assert.rejects(
+    wrong.chat.completions.create({ model: stack.model, messages: [{ role: "user", content: "hi" }] }),
+    (e) => {
+      assert.ok(e instanceof OpenAI.AuthenticationError, e.constructor.name);
+      assert.equal(e.status, 401);
+      return true;
+    });
+  const right = new OpenAI({ baseURL: `${stack.http.keyed}/v1`, apiKey: KEY, maxRetries: 0 });
+  const c = await right.chat.completions.create({
+    model: stack.model, messages: [{ role: "user", content: "hi" }], max_tokens: 2,
+  });
+  assert.equal(c.usage.completion_tokens, 2);
+});
+
+test("aborting a stream through the SDK frees the admission slot", async () => {
+  const controller = new AbortController();
+  const stream = await client.chat.completions.create({
+    model: stack.model, messages: [{ role: "user", content: "A long story." }],
+    max_tokens: 8192, ignore_eos: true, stream: true,
+  }, { signal: controller.signal });
+  // 8192 tokens take the tiny model well over 5 s: only a cancellation ends it in time.
+  let n = 0;
+  try {
+    for await (const _ of stream) {
+      if (++n === 20) controller.abort();
+    }
+  } catch (e) {
+    assert.equal(e.name, "APIUserAbortError", String(e));
+  }
+  assert.ok(n >= 20, `${n} chunks before the abort`);
+  const deadline = Date.now() + 5000;
+  while (await metric(stack.metrics.open, "vlm_gateway_admission_running") !== 0) {
+    assert.ok(Date.now() < deadline, "the generation was not cancelled within 5 s");
+    await new Promise((r) => setTimeout(r, 20));
+  }
+});

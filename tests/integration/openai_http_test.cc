@@ -1,0 +1,738 @@
+// The gateway's OpenAI-compatible HTTP front end with the real processes on
+// loopback (vlm-vision, vlm-language, vlm-gateway on the tiny checkpoint):
+// response shapes, SSE framing as curl sees it, answers equal to gRPC's,
+// images as data URLs and the cache, logprobs, every bad input's precise 4xx,
+// API keys on HTTP and gRPC, admission refusals (429 + Retry-After), not-ready
+// (503), and a client disconnect that frees the language slot.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <png.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "tests/integration/service_process.h"
+#include "tests/unit/metrics_text.h"
+#include "vlm/v1/gateway.grpc.pb.h"
+
+namespace vlm {
+namespace {
+
+using json = nlohmann::json;
+using testing::ServiceProcess;
+
+constexpr char kApiKey[] = "sk-test-0123456789";
+
+std::string Png(int width, int height, int seed) {
+  std::vector<uint8_t> rgb(static_cast<size_t>(width) * height * 3);
+  for (int y = 0; y < height; ++y) {
+    for (int x = 0; x < width; ++x) {
+      uint8_t* px = &rgb[(static_cast<size_t>(y) * width + x) * 3];
+      px[0] = static_cast<uint8_t>(x * 7 + seed * 31);
+      px[1] = static_cast<uint8_t>(y * 5 + seed * 17);
+      px[2] = static_cast<uint8_t>((x ^ y) * 3 + seed * 13);
+    }
+  }
+  png_image image = {};
+  image.version = PNG_IMAGE_VERSION;
+  image.width = width;
+  image.height = height;
+  image.format = PNG_FORMAT_RGB;
+  png_alloc_size_t size = 0;
+  png_image_write_to_memory(&image, nullptr, &size, 0, rgb.data(), 0, nullptr);
+  std::string out(size, '\0');
+  if (!png_image_write_to_memory(&image, out.data(), &size, 0, rgb.data(), 0, nullptr)) return "";
+  out.resize(size);
+  return out;
+}
+
+std::string DataUrl(const std::string& png) { return "data:image/png;base64," + absl::Base64Escape(png); }
+
+bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (condition()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return condition();
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// "vlm: http=HOST:PORT" from a gateway's stdout.
+int HttpPort(const std::string& out_path) {
+  static const std::regex kLine(R"(vlm: http=(\S+):(\d+))");
+  std::smatch m;
+  const std::string text = ReadFile(out_path);
+  return std::regex_search(text, m, kLine) ? std::stoi(m[2]) : 0;
+}
+
+struct CurlResult {
+  int exit_code = -1;
+  std::string headers;
+  std::string body;
+};
+
+// Runs curl with `args` (body to a file, headers to another); bounded by --max-time.
+CurlResult Curl(const std::string& dir, const std::vector<std::string>& args) {
+  static int n = 0;
+  const std::string base = absl::StrCat(dir, "/curl", ++n);
+  std::string command = absl::StrCat("curl -sS --max-time 60 -D ", base, ".h -o ", base, ".b");
+  for (const std::string& a : args) absl::StrAppend(&command, " '", a, "'");
+  CurlResult r;
+  const int status = std::system(command.c_str());
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.headers = ReadFile(base + ".h");
+  r.body = ReadFile(base + ".b");
+  return r;
+}
+
+int HttpCode(const CurlResult& r) {
+  // The last status line (after any 100 Continue).
+  static const std::regex kStatus(R"(HTTP/1\.1 (\d{3}))");
+  int code = 0;
+  for (std::sregex_iterator it(r.headers.begin(), r.headers.end(), kStatus), end; it != end; ++it) {
+    code = std::stoi((*it)[1]);
+  }
+  return code;
+}
+
+json ChatBody(const std::string& text, int max_tokens = 6) {
+  return json{{"model", "tiny_checkpoint"},
+              {"messages", json::array({{{"role", "user"}, {"content", text}}})},
+              {"max_tokens", max_tokens},
+              {"temperature", 0}};
+}
+
+class OpenAiHttpTest : public ::testing::Test {
+ protected:
+  static std::unique_ptr<ServiceProcess> StartGateway(const std::string& name,
+                                                      std::vector<std::string> extra) {
+    std::vector<std::string> flags = {
+        "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+        "--http_address=127.0.0.1:0", "--model_dir=" + model_dir_,
+        "--language_target=" + language_->grpc_target(),
+        "--vision_targets=" + vision_->grpc_target(), "--backend_reconnect_max_ms=200",
+        "--drain_timeout_s=2"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return std::make_unique<ServiceProcess>(VLM_GATEWAY_PATH, flags, log_dir_ + "/" + name);
+  }
+
+  static void SetUpTestSuite() {
+    const char* binary_dir = std::getenv("VLM_BINARY_DIR");
+    ASSERT_NE(binary_dir, nullptr) << "run through ctest (VLM_BINARY_DIR)";
+    model_dir_ = std::string(binary_dir) + "/tiny_checkpoint";
+    log_dir_ = std::string(binary_dir) + "/tests/openai_http_test_logs";
+    std::system(("mkdir -p " + log_dir_).c_str());
+    vision_ = std::make_unique<ServiceProcess>(
+        VLM_VISION_PATH,
+        std::vector<std::string>{"--model_dir=" + model_dir_, "--grpc_address=127.0.0.1:0",
+                                 "--metrics_address=127.0.0.1:0", "--intra_op_threads=1",
+                                 "--drain_timeout_s=2"},
+        log_dir_ + "/vision");
+    language_ = std::make_unique<ServiceProcess>(
+        VLM_LANGUAGE_PATH,
+        std::vector<std::string>{"--model_dir=" + model_dir_, "--grpc_address=127.0.0.1:0",
+                                 "--metrics_address=127.0.0.1:0", "--intra_op_threads=1",
+                                 "--max_sequences=1", "--max_queue=8", "--drain_timeout_s=2"},
+        log_dir_ + "/language");
+    ASSERT_TRUE(vision_->WaitListening()) << vision_->LogTail();
+    ASSERT_TRUE(language_->WaitListening()) << language_->LogTail();
+
+    std::ofstream(log_dir_ + "/api_keys") << "# test keys\n\n  other-key  \n" << kApiKey << "\n";
+    gateway_ = StartGateway("gateway", {});
+    // One running request at most and no queue: the second gets 429.
+    keyed_ = StartGateway("gateway-keys", {"--api_keys_file=" + log_dir_ + "/api_keys",
+                                           "--max_inflight=1", "--max_queue=0"});
+    for (auto* g : {&gateway_, &keyed_}) {
+      ASSERT_TRUE((*g)->WaitListening()) << (*g)->LogTail();
+    }
+    ASSERT_TRUE(Eventually([] { return HttpPort(log_dir_ + "/gateway.out") > 0; }, absl::Seconds(5)));
+    ASSERT_TRUE(
+        Eventually([] { return HttpPort(log_dir_ + "/gateway-keys.out") > 0; }, absl::Seconds(5)));
+    http_port_ = HttpPort(log_dir_ + "/gateway.out");
+    keyed_port_ = HttpPort(log_dir_ + "/gateway-keys.out");
+    ASSERT_TRUE(Eventually(
+        [] {
+          httplib::Client c("127.0.0.1", http_port_);
+          auto a = c.Get("/health");
+          httplib::Client k("127.0.0.1", keyed_port_);
+          auto b = k.Get("/health");
+          return a && a->status == 200 && b && b->status == 200;
+        },
+        absl::Seconds(60)))
+        << gateway_->LogTail();
+  }
+
+  static void TearDownTestSuite() {
+    for (auto* p : {&gateway_, &keyed_, &vision_, &language_}) {
+      if (*p == nullptr) continue;
+      std::optional<int> code = (*p)->Stop(SIGTERM, absl::Seconds(20));
+      EXPECT_EQ(code, std::optional<int>(0)) << (*p)->LogTail();
+      p->reset();
+    }
+  }
+
+  void TearDown() override {
+    if (HasFailure()) {
+      for (auto* p : {&gateway_, &keyed_, &vision_, &language_}) {
+        if (*p != nullptr) std::fprintf(stderr, "--- log tail ---\n%s", (*p)->LogTail(15).c_str());
+      }
+    }
+  }
+
+  static std::string Url(const std::string& path, int port = 0) {
+    return absl::StrCat("http://127.0.0.1:", port == 0 ? http_port_ : port, path);
+  }
+
+  static httplib::Result Post(const json& body, int port = 0,
+                              const std::string& authorization = "") {
+    httplib::Client client("127.0.0.1", port == 0 ? http_port_ : port);
+    client.set_read_timeout(60, 0);
+    httplib::Headers headers;
+    if (!authorization.empty()) headers.emplace("Authorization", authorization);
+    return client.Post("/v1/chat/completions", headers, body.dump(), "application/json");
+  }
+
+  static double Metric(int port, const std::string& key) {
+    httplib::Client client("127.0.0.1", port);
+    auto res = client.Get("/metrics");
+    return res && res->status == 200 ? metrics_text::MetricValue(res->body, key).value_or(0) : -1;
+  }
+
+  static inline std::string model_dir_;
+  static inline std::string log_dir_;
+  static inline std::unique_ptr<ServiceProcess> vision_;
+  static inline std::unique_ptr<ServiceProcess> language_;
+  static inline std::unique_ptr<ServiceProcess> gateway_;
+  static inline std::unique_ptr<ServiceProcess> keyed_;
+  static inline int http_port_ = 0;
+  static inline int keyed_port_ = 0;
+};
+
+TEST_F(OpenAiHttpTest, HealthModelsAndPageAreServed) {
+  httplib::Client client("127.0.0.1", http_port_);
+  auto health = client.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(json::parse(health->body)["status"], "SERVING");
+
+  auto models = client.Get("/v1/models");
+  ASSERT_TRUE(models);
+  ASSERT_EQ(models->status, 200);
+  const json m = json::parse(models->body);
+  EXPECT_EQ(m["object"], "list");
+  ASSERT_EQ(m["data"].size(), 1u);
+  EXPECT_EQ(m["data"][0]["id"], "tiny_checkpoint");  // the checkpoint directory's name
+  EXPECT_EQ(m["data"][0]["object"], "model");
+
+  auto page = client.Get("/");
+  ASSERT_TRUE(page);
+  EXPECT_EQ(page->status, 200);
+  EXPECT_TRUE(absl::StartsWith(page->get_header_value("Content-Type"), "text/html"));
+  EXPECT_TRUE(absl::StrContains(page->body, "<script src=\"/app.js\">"));
+  auto script = client.Get("/app.js");
+  ASSERT_TRUE(script);
+  EXPECT_EQ(script->status, 200);
+  EXPECT_TRUE(absl::StartsWith(script->get_header_value("Content-Type"), "text/javascript"));
+  EXPECT_TRUE(absl::StrContains(script->body, "/v1/chat/completions"));
+}
+
+TEST_F(OpenAiHttpTest, NonStreamingCompletionHasOpenAiShapeAndMatchesGrpc) {
+  auto res = Post(ChatBody("Describe a sunny day.", 5));
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_TRUE(absl::StartsWith(res->get_header_value("Content-Type"), "application/json"));
+  const json c = json::parse(res->body);
+  EXPECT_TRUE(absl::StartsWith(c["id"].get<std::string>(), "chatcmpl-"));
+  EXPECT_EQ(c["object"], "chat.completion");
+  EXPECT_TRUE(c["created"].is_number_integer());
+  EXPECT_EQ(c["model"], "tiny_checkpoint");
+  ASSERT_EQ(c["choices"].size(), 1u);
+  const json& choice = c["choices"][0];
+  EXPECT_EQ(choice["index"], 0);
+  EXPECT_EQ(choice["message"]["role"], "assistant");
+  EXPECT_TRUE(choice["logprobs"].is_null());
+  EXPECT_EQ(choice["finish_reason"], "length");  // random weights never say EOS within 5
+  const json& usage = c["usage"];
+  EXPECT_EQ(usage["completion_tokens"], 5);
+  EXPECT_EQ(usage["total_tokens"].get<int>(),
+            usage["prompt_tokens"].get<int>() + usage["completion_tokens"].get<int>());
+  EXPECT_TRUE(usage["prompt_tokens_details"]["cached_tokens"].is_number_integer());
+
+  // The same request through gRPC gives the same greedy answer (one pipeline).
+  auto stub = v1::VisionLanguage::NewStub(
+      grpc::CreateChannel(gateway_->grpc_target(), grpc::InsecureChannelCredentials()));
+  v1::ChatRequest request;
+  auto* m = request.add_messages();
+  m->set_role("user");
+  m->add_content()->set_text("Describe a sunny day.");
+  request.mutable_params()->set_max_tokens(5);
+  request.mutable_params()->mutable_sampling()->set_temperature(0);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::ChatResponse grpc_response;
+  ASSERT_TRUE(stub->Chat(&ctx, request, &grpc_response).ok());
+  EXPECT_EQ(choice["message"]["content"], grpc_response.text());
+  EXPECT_EQ(usage["prompt_tokens"], grpc_response.usage().prompt_tokens());
+}
+
+TEST_F(OpenAiHttpTest, CurlSeesSseFramingRoleDeltasFinishUsageAndDone) {
+  json body = ChatBody("Tell me about rivers.", 6);
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  const CurlResult r = Curl(log_dir_, {"-N", "-H", "Content-Type: application/json", "-d",
+                                       body.dump(), Url("/v1/chat/completions")});
+  ASSERT_EQ(r.exit_code, 0) << r.headers;
+  EXPECT_EQ(HttpCode(r), 200);
+  EXPECT_TRUE(absl::StrContains(r.headers, "Content-Type: text/event-stream")) << r.headers;
+  EXPECT_TRUE(absl::StrContains(r.headers, "Transfer-Encoding: chunked")) << r.headers;
+
+  // Every event is exactly "data: <payload>\n\n"; the last payload is [DONE].
+  ASSERT_TRUE(absl::EndsWith(r.body, "data: [DONE]\n\n")) << r.body;
+  std::vector<std::string> events = absl::StrSplit(r.body, "\n\n", absl::SkipEmpty());
+  ASSERT_GE(events.size(), 4u) << r.body;
+  std::vector<json> chunks;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    ASSERT_TRUE(absl::StartsWith(events[i], "data: ")) << events[i];
+    ASSERT_EQ(events[i].find('\n'), std::string::npos) << "one line per event: " << events[i];
+    chunks.push_back(json::parse(events[i].substr(6)));
+  }
+  const std::string id = chunks[0]["id"];
+  EXPECT_TRUE(absl::StartsWith(id, "chatcmpl-"));
+  for (const json& c : chunks) {
+    EXPECT_EQ(c["id"], id);
+    EXPECT_EQ(c["object"], "chat.completion.chunk");
+    EXPECT_EQ(c["model"], "tiny_checkpoint");
+    EXPECT_EQ(c["created"], chunks[0]["created"]);
+    EXPECT_TRUE(c.contains("usage"));  // null on all but the last (include_usage)
+  }
+  EXPECT_EQ(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string text;
+  for (size_t i = 1; i + 2 < chunks.size(); ++i) {
+    EXPECT_TRUE(chunks[i]["choices"][0]["finish_reason"].is_null());
+    EXPECT_TRUE(chunks[i]["usage"].is_null());
+    text += chunks[i]["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  const json& finish = chunks[chunks.size() - 2];
+  EXPECT_EQ(finish["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(finish["choices"][0]["delta"].empty());
+  EXPECT_GT(finish["x_vlm"]["timings_ms"]["total"].get<double>(), 0);
+  const json& usage_chunk = chunks.back();
+  EXPECT_TRUE(usage_chunk["choices"].empty());
+  EXPECT_EQ(usage_chunk["usage"]["completion_tokens"], 6);
+
+  // The streamed text is the non-streamed answer.
+  auto res = Post(ChatBody("Tell me about rivers.", 6));
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200);
+  EXPECT_EQ(text, json::parse(res->body)["choices"][0]["message"]["content"]);
+}
+
+TEST_F(OpenAiHttpTest, ImageDataUrlIsEncodedOnceThenServedFromTheCache) {
+  const std::string png = Png(96, 64, 7);
+  json body = ChatBody("", 3);
+  body["messages"][0]["content"] = json::array(
+      {{{"type", "image_url"}, {"image_url", {{"url", DataUrl(png)}, {"detail", "high"}}}},
+       {{"type", "text"}, {"text", "What is in this picture?"}}});
+  json first, second;
+  for (json* out : {&first, &second}) {
+    auto res = Post(body);
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 200) << res->body;
+    *out = json::parse(res->body);
+  }
+  const json& image1 = first["x_vlm"]["images"][0];
+  const json& image2 = second["x_vlm"]["images"][0];
+  EXPECT_EQ(image1["tokens"], 6);  // 96x64 -> 4x6 patches -> 6 merged tokens
+  EXPECT_EQ(first["x_vlm"]["image_tokens"], 6);
+  EXPECT_EQ(image2["content_hash"], image1["content_hash"]);
+  EXPECT_TRUE(image2["cache_hit"].get<bool>()) << second.dump();
+  EXPECT_GT(first["usage"]["prompt_tokens"].get<int>(), 6);
+}
+
+TEST_F(OpenAiHttpTest, LogprobsComeInOpenAiShape) {
+  json body = ChatBody("Count to three.", 4);
+  body["logprobs"] = true;
+  body["top_logprobs"] = 3;
+  auto res = Post(body);
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json c = json::parse(res->body);
+  const json& content = c["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 4u);
+  std::string joined;
+  for (const json& t : content) {
+    EXPECT_LE(t["logprob"].get<double>(), 0);
+    ASSERT_EQ(t["top_logprobs"].size(), 3u);
+    // The chosen token under greedy sampling is the most likely one.
+    EXPECT_EQ(t["top_logprobs"][0]["logprob"], t["logprob"]);
+    const std::string token = t["token"];
+    ASSERT_EQ(t["bytes"].size(), token.size());
+    joined += token;
+  }
+  EXPECT_EQ(joined, c["choices"][0]["message"]["content"]);
+}
+
+TEST_F(OpenAiHttpTest, BadInputGetsItsPrecise4xxAndTheGatewayKeepsServing) {
+  const std::string big = std::string(50 << 20, 'a');  // 50 MB
+  std::ofstream(log_dir_ + "/big.json") << "{\"messages\": \"" << big << "\"}";
+  struct Case {
+    std::string name;
+    std::string body;  // "@file" for a file
+    int status;
+    std::string param;  // "" = null
+    std::string message_part;
+  };
+  auto with_image_url = [](const std::string& url) {
+    json b = ChatBody("", 3);
+    b["messages"][0]["content"] =
+        json::array({{{"type", "image_url"}, {"image_url", {{"url", url}}}}});
+    return b.dump();
+  };
+  json wrong_type = ChatBody("hi");
+  wrong_type["temperature"] = "hot";
+  json wrong_max = ChatBody("hi");
+  wrong_max["max_tokens"] = "ten";
+  json unknown_role = ChatBody("hi");
+  unknown_role["messages"][0]["role"] = "wizard";
+  json tool_role = ChatBody("hi");
+  tool_role["messages"][0]["role"] = "tool";
+  json out_of_range = ChatBody("hi");
+  out_of_range["top_p"] = 1.5;
+  json other_model = ChatBody("hi");
+  other_model["model"] = "gpt-4o";
+  const std::vector<Case> cases = {
+      {"malformed JSON", "{\"messages\": [", 400, "", "not valid JSON"},
+      {"not an object", "[1, 2]", 400, "", "JSON object"},
+      {"messages wrong type", R"({"messages": "hello"})", 400, "messages", "must be an array"},
+      {"temperature wrong type", wrong_type.dump(), 400, "temperature", "must be a number"},
+      {"max_tokens wrong type", wrong_max.dump(), 400, "max_tokens", "must be an integer"},
+      {"unknown role", unknown_role.dump(), 400, "messages[0].role", "wizard"},
+      {"tool role", tool_role.dump(), 400, "messages[0].role", "not supported"},
+      {"top_p out of range", out_of_range.dump(), 400, "top_p", "top_p is 1.5"},
+      {"50 MB body", "@" + log_dir_ + "/big.json", 413, "", "larger than"},
+      {"bad base64", with_image_url("data:image/png;base64,!!notbase64!!"), 400,
+       "messages[0].content[0].image_url.url", "not valid base64"},
+      {"non-image data URL", with_image_url("data:text/plain;base64,aGVsbG8="), 400,
+       "messages[0].content[0].image_url.url", "text/plain"},
+      {"bytes that are no image", with_image_url("data:image/png;base64,aGVsbG8="), 400,
+       "messages[0].content[0].image_url.url", "image 1"},
+      {"http image URL", with_image_url("http://127.0.0.1:1/cat.png"), 400,
+       "messages[0].content[0].image_url.url", "allow_remote_images"},
+      {"another model", other_model.dump(), 404, "model", "gpt-4o"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string data = absl::StartsWith(c.body, "@") ? c.body : c.body;
+    const CurlResult r = Curl(log_dir_, {"-H", "Content-Type: application/json",
+                                         "--data-binary", data, Url("/v1/chat/completions")});
+    EXPECT_EQ(HttpCode(r), c.status) << r.headers << r.body;
+    json error;
+    ASSERT_NO_THROW(error = json::parse(r.body)) << r.body;
+    ASSERT_TRUE(error.contains("error")) << r.body;
+    const json& e = error["error"];
+    EXPECT_TRUE(absl::StrContains(e["message"].get<std::string>(), c.message_part)) << r.body;
+    EXPECT_EQ(e["type"], c.status == 404 ? "not_found_error" : "invalid_request_error");
+    if (c.param.empty()) {
+      EXPECT_TRUE(e["param"].is_null()) << r.body;
+    } else {
+      EXPECT_EQ(e["param"], c.param) << r.body;
+    }
+    EXPECT_TRUE(e.contains("code"));
+    // Still serving after each one.
+    auto ok = Post(ChatBody("still there?", 2));
+    ASSERT_TRUE(ok);
+    EXPECT_EQ(ok->status, 200) << ok->body;
+  }
+  httplib::Client client("127.0.0.1", http_port_);
+  auto missing = client.Get("/v1/nothing");
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->status, 404);
+  EXPECT_EQ(json::parse(missing->body)["error"]["type"], "not_found_error");
+  EXPECT_GE(Metric(gateway_->metrics_port,
+                   R"(vlm_gateway_http_requests_total{route="/v1/chat/completions",status="413"})"),
+            1);
+}
+
+TEST_F(OpenAiHttpTest, ClientDisconnectCancelsTheGenerationAndFreesTheSlot) {
+  // 8192 tokens take the tiny model well over 10 s: only a cancellation ends it in time.
+  json body = ChatBody("Tell me a very long story.", 8192);
+  body["ignore_eos"] = true;
+  body["stream"] = true;
+  const std::string out = log_dir_ + "/disconnect.sse";
+  std::remove(out.c_str());
+  const pid_t curl = ::fork();
+  if (curl == 0) {
+    ::execlp("curl", "curl", "-sN", "--max-time", "120", "-o", out.c_str(), "-H",
+             "Content-Type: application/json", "-d", body.dump().c_str(),
+             Url("/v1/chat/completions").c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_GT(curl, 0);
+  // Tokens are flowing: the stream is open and the language slot is taken.
+  ASSERT_TRUE(Eventually([&] { return ReadFile(out).size() > 2000; }, absl::Seconds(30)))
+      << "no streamed data; " << ReadFile(out);
+  EXPECT_EQ(Metric(gateway_->metrics_port, "vlm_gateway_http_sse_streams_open"), 1);
+  EXPECT_EQ(Metric(gateway_->metrics_port, "vlm_gateway_admission_running"), 1);
+  EXPECT_EQ(Metric(language_->metrics_port, "vlm_language_sequences_running"), 1);
+
+  ::kill(curl, SIGKILL);
+  int status = 0;
+  ::waitpid(curl, &status, 0);
+  const absl::Time killed = absl::Now();
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return Metric(gateway_->metrics_port, "vlm_gateway_admission_running") == 0 &&
+               Metric(gateway_->metrics_port, "vlm_gateway_http_sse_streams_open") == 0 &&
+               Metric(language_->metrics_port, "vlm_language_sequences_running") == 0;
+      },
+      absl::Seconds(5)));
+  std::printf("slot freed %.0f ms after the client was killed\n",
+              absl::ToDoubleMilliseconds(absl::Now() - killed));
+  const std::string streamed = ReadFile(out);
+  EXPECT_FALSE(absl::StrContains(streamed, "[DONE]"));
+  // The single language slot (--max_sequences=1) is free again.
+  auto res = Post(ChatBody("Are you free?", 2));
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+}
+
+TEST_F(OpenAiHttpTest, ApiKeysGuardHttpAndGrpcButNotHealthOrThePage) {
+  auto none = Post(ChatBody("hi", 2), keyed_port_);
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 401);
+  EXPECT_EQ(none->get_header_value("WWW-Authenticate"), "Bearer");
+  const json e = json::parse(none->body)["error"];
+  EXPECT_EQ(e["type"], "authentication_error");
+  EXPECT_EQ(e["code"], "invalid_api_key");
+
+  auto wrong = Post(ChatBody("hi", 2), keyed_port_, "Bearer sk-wrong");
+  ASSERT_TRUE(wrong);
+  EXPECT_EQ(wrong->status, 401);
+  EXPECT_TRUE(absl::StrContains(wrong->body, "incorrect API key"));
+  auto right = Post(ChatBody("hi", 2), keyed_port_, absl::StrCat("Bearer ", kApiKey));
+  ASSERT_TRUE(right);
+  EXPECT_EQ(right->status, 200) << right->body;
+  auto other = Post(ChatBody("hi", 2), keyed_port_, "Bearer other-key");  // trimmed line
+  ASSERT_TRUE(other);
+  EXPECT_EQ(other->status, 200) << other->body;
+
+  httplib::Client client("127.0.0.1", keyed_port_);
+  EXPECT_EQ(client.Get("/v1/models")->status, 401);
+  EXPECT_EQ(client.Get("/health")->status, 200);
+  EXPECT_EQ(client.Get("/")->status, 200);
+
+  auto stub = v1::VisionLanguage::NewStub(
+      grpc::CreateChannel(keyed_->grpc_target(), grpc::InsecureChannelCredentials()));
+  v1::ChatRequest request;
+  auto* m = request.add_messages();
+  m->set_role("user");
+  m->add_content()->set_text("hi");
+  request.mutable_params()->set_max_tokens(2);
+  v1::ChatResponse response;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    EXPECT_EQ(stub->Chat(&ctx, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kApiKey));
+    grpc::Status s = stub->Chat(&ctx, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+  }
+}
+
+TEST_F(OpenAiHttpTest, AdmissionRefusalIs429WithRetryAfter) {
+  // keyed_ runs one request at most, with no queue.
+  json body = ChatBody("A long story, please.", 4000);
+  body["ignore_eos"] = true;
+  body["stream"] = true;
+  const std::string out = log_dir_ + "/busy.sse";
+  std::remove(out.c_str());
+  const pid_t curl = ::fork();
+  if (curl == 0) {
+    const std::string auth = absl::StrCat("Authorization: Bearer ", kApiKey);
+    ::execlp("curl", "curl", "-sN", "--max-time", "120", "-o", out.c_str(), "-H", auth.c_str(),
+             "-H", "Content-Type: application/json", "-d", body.dump().c_str(),
+             Url("/v1/chat/completions", keyed_port_).c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_TRUE(Eventually([&] { return ReadFile(out).size() > 500; }, absl::Seconds(30)));
+  auto refused = Post(ChatBody("me too", 2), keyed_port_, absl::StrCat("Bearer ", kApiKey));
+  ::kill(curl, SIGKILL);
+  ::waitpid(curl, nullptr, 0);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 429) << refused->body;
+  EXPECT_EQ(refused->get_header_value("Retry-After"), "1");
+  EXPECT_EQ(json::parse(refused->body)["error"]["type"], "rate_limit_error");
+  EXPECT_TRUE(Eventually(
+      [&] { return Metric(keyed_->metrics_port, "vlm_gateway_admission_running") == 0; },
+      absl::Seconds(10)));
+}
+
+TEST_F(OpenAiHttpTest, NotReadyIs503AndHealthSaysWhy) {
+  // A gateway whose language service does not exist never becomes SERVING.
+  std::unique_ptr<ServiceProcess> lonely = std::make_unique<ServiceProcess>(
+      VLM_GATEWAY_PATH,
+      std::vector<std::string>{"--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+                               "--http_address=127.0.0.1:0", "--language_target=127.0.0.1:1",
+                               "--vision_targets=" + vision_->grpc_target(),
+                               "--drain_timeout_s=1"},
+      log_dir_ + "/gateway-lonely");
+  ASSERT_TRUE(lonely->WaitListening()) << lonely->LogTail();
+  ASSERT_TRUE(Eventually([&] { return HttpPort(log_dir_ + "/gateway-lonely.out") > 0; },
+                         absl::Seconds(5)));
+  const int port = HttpPort(log_dir_ + "/gateway-lonely.out");
+  httplib::Client client("127.0.0.1", port);
+  auto health = client.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 503);
+  EXPECT_EQ(json::parse(health->body)["status"], "NOT_SERVING");
+  json body = ChatBody("hi");
+  body["model"] = "qwen3-vl";  // no --model_dir: the default id
+  auto res = Post(body, port);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 503) << res->body;
+  EXPECT_EQ(res->get_header_value("Retry-After"), "1");
+  EXPECT_EQ(json::parse(res->body)["error"]["type"], "service_unavailable");
+  EXPECT_EQ(lonely->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0)) << lonely->LogTail();
+}
+
+// A gateway of its own, started for one test, with its HTTP port once SERVING.
+struct ExtraGateway {
+  std::unique_ptr<ServiceProcess> process;
+  int port = 0;
+};
+
+class OpenAiHttpExtraTest : public OpenAiHttpTest {
+ protected:
+  static ExtraGateway Start(const std::string& name, std::vector<std::string> flags) {
+    ExtraGateway g;
+    g.process = StartGateway(name, std::move(flags));
+    EXPECT_TRUE(g.process->WaitListening()) << g.process->LogTail();
+    const std::string out = log_dir_ + "/" + name + ".out";
+    EXPECT_TRUE(Eventually([&] { return HttpPort(out) > 0; }, absl::Seconds(5)));
+    g.port = HttpPort(out);
+    EXPECT_TRUE(Eventually(
+        [&] {
+          httplib::Client c("127.0.0.1", g.port);
+          auto r = c.Get("/health");
+          return r && r->status == 200;
+        },
+        absl::Seconds(30)));
+    return g;
+  }
+};
+
+TEST_F(OpenAiHttpExtraTest, DeadlineIs504) {
+  ExtraGateway g = Start("gateway-deadline", {"--default_deadline_s=0.3"});
+  json body = ChatBody("A story that takes long.", 8192);
+  body["ignore_eos"] = true;
+  auto res = Post(body, g.port);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 504) << res->body;
+  EXPECT_EQ(json::parse(res->body)["error"]["type"], "timeout");
+  EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(OpenAiHttpExtraTest, RemoteImagesAreFetchedWhenAllowedWithinLimits) {
+  const std::string png = Png(96, 64, 11);
+  httplib::Server images;
+  images.Get("/cat.png", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(png, "image/png");
+  });
+  images.Get("/note.txt", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("just text", "text/plain");
+  });
+  images.Get("/huge.png", [&](const httplib::Request&, httplib::Response& res) {
+    res.set_content(png + std::string(200000, '\0'), "image/png");
+  });
+  const int images_port = images.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(images_port, 0);
+  std::thread serving([&] { images.listen_after_bind(); });
+  ExtraGateway g = Start("gateway-remote", {"--allow_remote_images", "--max_image_bytes=100000"});
+  auto ask = [&](const std::string& path) {
+    json body = ChatBody("", 2);
+    body["messages"][0]["content"] = json::array(
+        {{{"type", "text"}, {"text", "What is this?"}},
+         {{"type", "image_url"},
+          {"image_url", {{"url", absl::StrCat("http://127.0.0.1:", images_port, path)}}}}});
+    return Post(body, g.port);
+  };
+  auto ok = ask("/cat.png");
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  if (ok->status == 200) EXPECT_EQ(json::parse(ok->body)["x_vlm"]["images"][0]["tokens"], 6);
+  const std::string param = "messages[0].content[1].image_url.url";
+  for (const auto& [path, words] : std::vector<std::pair<std::string, std::string>>{
+           {"/note.txt", "is not a JPEG, PNG or WebP image"},
+           {"/huge.png", "larger than 100000 bytes"},
+           {"/missing.png", "answered HTTP 404"}}) {
+    SCOPED_TRACE(path);
+    auto res = ask(path);
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 400) << res->body;
+    const json e = json::parse(res->body)["error"];
+    EXPECT_EQ(e["param"], param);
+    EXPECT_TRUE(absl::StrContains(e["message"].get<std::string>(), words)) << res->body;
+  }
+  images.stop();
+  serving.join();
+  EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
+}
+
+TEST_F(OpenAiHttpExtraTest, SigtermLetsAnOpenStreamFinishThenExits0) {
+  ExtraGateway g = Start("gateway-drain", {"--drain_timeout_s=20"});
+  json body = ChatBody("A story of medium length.", 600);
+  body["ignore_eos"] = true;
+  body["stream"] = true;
+  const std::string out = log_dir_ + "/drain.sse";
+  std::remove(out.c_str());
+  const pid_t curl = ::fork();
+  if (curl == 0) {
+    ::execlp("curl", "curl", "-sN", "--max-time", "60", "-o", out.c_str(), "-H",
+             "Content-Type: application/json", "-d", body.dump().c_str(),
+             Url("/v1/chat/completions", g.port).c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_TRUE(Eventually([&] { return ReadFile(out).size() > 500; }, absl::Seconds(30)));
+  ::kill(g.process->pid(), SIGTERM);
+  int status = 0;
+  ::waitpid(curl, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const std::string streamed = ReadFile(out);
+  EXPECT_TRUE(absl::EndsWith(streamed, "data: [DONE]\n\n")) << streamed.substr(streamed.size() - 300);
+  EXPECT_TRUE(absl::StrContains(streamed, "\"finish_reason\":\"length\""));
+  // Signal 0 sends nothing: only wait for the exit the first SIGTERM started.
+  EXPECT_EQ(g.process->Stop(0, absl::Seconds(30)), std::optional<int>(0)) << g.process->LogTail();
+}
+
+}  // namespace
+}  // namespace vlm

@@ -1,0 +1,300 @@
+// The OpenAI wire format of the gateway's HTTP front end, without processes:
+// request parsing (every field, null as absent, errors naming `param`), the
+// status table, the renaming of validation messages, chunk/completion JSON,
+// and API keys.
+#include "services/gateway/openai_protocol.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/escaping.h"
+#include "services/gateway/api_keys.h"
+#include "services/gateway/http_status.h"
+
+namespace vlm::gateway {
+namespace {
+
+using json = nlohmann::json;
+
+ParseOptions Options(bool remote = false) {
+  ParseOptions o;
+  o.served_model_name = "tiny";
+  o.allow_remote_images = remote;
+  return o;
+}
+
+std::optional<ApiError> Parse(const json& body, OpenAiChatRequest* out, bool remote = false) {
+  return ParseChatCompletionRequest(body.dump(), Options(remote), out);
+}
+
+json Body() {
+  return json{{"model", "tiny"}, {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}};
+}
+
+TEST(OpenAiRequestTest, EveryParameterReachesTheChatRequest) {
+  json body = Body();
+  body["messages"] = json::array(
+      {{{"role", "developer"}, {"content", "be brief"}},
+       {{"role", "user"},
+        {"content",
+         json::array({{{"type", "text"}, {"text", "look"}},
+                      {{"type", "image_url"},
+                       {"image_url", {{"url", "data:image/png;base64," + absl::Base64Escape("PNGBYTES")},
+                                      {"detail", "low"}}}}})}},
+       {{"role", "assistant"}, {"content", "ok"}},
+       {{"role", "user"}, {"content", "again"}}});
+  body["max_completion_tokens"] = 17;
+  body["max_tokens"] = 99;  // max_completion_tokens wins
+  body["temperature"] = 0.5;
+  body["top_p"] = 0.9;
+  body["top_k"] = -1;
+  body["min_p"] = 0.05;
+  body["seed"] = 42;
+  body["stop"] = json::array({"END", "STOP"});
+  body["presence_penalty"] = 0.5;
+  body["frequency_penalty"] = -0.5;
+  body["repetition_penalty"] = 1.1;
+  body["logprobs"] = true;
+  body["top_logprobs"] = 5;
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  body["n"] = 1;
+  body["user"] = "someone";  // ignored
+  OpenAiChatRequest out;
+  ASSERT_EQ(Parse(body, &out), std::nullopt);
+  const v1::ChatRequest& r = out.request;
+  ASSERT_EQ(r.messages_size(), 4);
+  EXPECT_EQ(r.messages(0).role(), "system");
+  EXPECT_EQ(r.messages(1).content_size(), 2);
+  EXPECT_EQ(r.messages(1).content(0).text(), "look");
+  EXPECT_EQ(r.messages(1).content(1).image().data(), "PNGBYTES");
+  EXPECT_EQ(r.messages(2).role(), "assistant");
+  const v1::GenerationParams& p = r.params();
+  EXPECT_EQ(p.max_tokens(), 17);
+  EXPECT_FLOAT_EQ(p.sampling().temperature(), 0.5f);
+  EXPECT_FLOAT_EQ(p.sampling().top_p(), 0.9f);
+  EXPECT_TRUE(p.sampling().has_top_k());
+  EXPECT_EQ(p.sampling().top_k(), 0);  // -1 = disabled
+  EXPECT_FLOAT_EQ(p.sampling().min_p(), 0.05f);
+  EXPECT_EQ(p.sampling().seed(), 42u);
+  ASSERT_EQ(p.stop_size(), 2);
+  EXPECT_EQ(p.stop(1), "STOP");
+  EXPECT_FLOAT_EQ(p.sampling().presence_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(p.sampling().frequency_penalty(), -0.5f);
+  EXPECT_FLOAT_EQ(p.sampling().repetition_penalty(), 1.1f);
+  EXPECT_TRUE(p.logprobs());
+  EXPECT_EQ(p.top_logprobs(), 5);
+  EXPECT_TRUE(out.stream);
+  EXPECT_TRUE(out.include_usage);
+  EXPECT_TRUE(out.logprobs);
+}
+
+TEST(OpenAiRequestTest, NullMeansAbsentAndModelDefaultsToTheServedOne) {
+  json body = Body();
+  body.erase("model");
+  body["temperature"] = nullptr;
+  body["stop"] = nullptr;
+  body["max_tokens"] = nullptr;
+  body["stream_options"] = nullptr;
+  OpenAiChatRequest out;
+  ASSERT_EQ(Parse(body, &out), std::nullopt);
+  EXPECT_EQ(out.model, "tiny");
+  EXPECT_FALSE(out.request.params().sampling().has_temperature());
+  EXPECT_FALSE(out.request.params().has_max_tokens());
+  EXPECT_EQ(out.request.params().stop_size(), 0);
+  json single = Body();
+  single["stop"] = "\n";
+  ASSERT_EQ(Parse(single, &out), std::nullopt);
+}
+
+TEST(OpenAiRequestTest, ErrorsNameTheParameter) {
+  struct Case {
+    json body;
+    std::string param;
+    grpc::StatusCode code;
+  };
+  auto with = [](const char* key, json value) {
+    json b = Body();
+    b[key] = std::move(value);
+    return b;
+  };
+  auto content = [](json parts) {
+    json b = Body();
+    b["messages"][0]["content"] = std::move(parts);
+    return b;
+  };
+  auto image = [&](const std::string& url) {
+    return content(json::array({{{"type", "image_url"}, {"image_url", {{"url", url}}}}}));
+  };
+  json no_messages = Body();
+  no_messages.erase("messages");
+  json role = Body();
+  role["messages"][0]["role"] = 7;
+  const std::vector<Case> cases = {
+      {no_messages, "messages", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("messages", json::array()), "messages", grpc::StatusCode::INVALID_ARGUMENT},
+      {role, "messages[0].role", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("temperature", true), "temperature", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("max_tokens", 2.5), "max_tokens", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("max_tokens", 0), "max_tokens", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("max_tokens", int64_t{1} << 40), "max_tokens", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("stop", json::array({"a", 3})), "stop[1]", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("top_logprobs", 2), "top_logprobs", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("n", 2), "n", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("tools", json::array({{{"type", "function"}}})), "tools",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {with("stream_options", {{"include_usage", true}}), "stream_options",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {with("model", "gpt-4o"), "model", grpc::StatusCode::NOT_FOUND},
+      {content(json::array({{{"type", "audio"}}})), "messages[0].content[0].type",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {content(42), "messages[0].content", grpc::StatusCode::INVALID_ARGUMENT},
+      {image("data:image/png;base64,%%%"), "messages[0].content[0].image_url.url",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {image("data:image/png,rawbytes"), "messages[0].content[0].image_url.url",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {image("data:application/pdf;base64,aGVsbG8="), "messages[0].content[0].image_url.url",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {image("https://example.invalid/cat.png"), "messages[0].content[0].image_url.url",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {image("file:///etc/passwd"), "messages[0].content[0].image_url.url",
+       grpc::StatusCode::INVALID_ARGUMENT},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.body.dump().substr(0, 200));
+    OpenAiChatRequest out;
+    std::optional<ApiError> e = Parse(c.body, &out);
+    ASSERT_TRUE(e.has_value());
+    EXPECT_EQ(e->param, c.param) << e->message;
+    EXPECT_EQ(e->code, c.code) << e->message;
+    EXPECT_FALSE(e->message.empty());
+  }
+  OpenAiChatRequest out;
+  std::optional<ApiError> e = ParseChatCompletionRequest("{\"messages\": [", Options(), &out);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->error_code, "invalid_json");
+  EXPECT_EQ(e->param, "");
+}
+
+TEST(OpenAiRequestTest, RemoteImagesAreLeftForTheFrontEndWhenAllowed) {
+  json body = Body();
+  body["messages"][0]["content"] = json::array(
+      {{{"type", "text"}, {"text", "what?"}},
+       {{"type", "image_url"}, {"image_url", {{"url", "http://127.0.0.1:9/a.png"}}}}});
+  OpenAiChatRequest out;
+  ASSERT_EQ(Parse(body, &out, /*remote=*/true), std::nullopt);
+  ASSERT_EQ(out.remote_images.size(), 1u);
+  EXPECT_EQ(out.remote_images[0].message, 0);
+  EXPECT_EQ(out.remote_images[0].part, 1);
+  EXPECT_TRUE(out.request.messages(0).content(1).has_image());
+}
+
+TEST(OpenAiErrorTest, StatusTableAndValidationMessagesBecomeOpenAiErrors) {
+  EXPECT_EQ(HttpStatusForCode(grpc::StatusCode::INVALID_ARGUMENT), 400);
+  EXPECT_EQ(HttpStatusForCode(grpc::StatusCode::UNAUTHENTICATED), 401);
+  EXPECT_EQ(HttpStatusForCode(grpc::StatusCode::NOT_FOUND), 404);
+  EXPECT_EQ(HttpStatusForCode(grpc::StatusCode::RESOURCE_EXHAUSTED), 429);
+  EXPECT_EQ(HttpStatusForCode(grpc::StatusCode::UNAVAILABLE), 503);
+  EXPECT_EQ(HttpStatusForCode(grpc::StatusCode::DEADLINE_EXCEEDED), 504);
+  EXPECT_EQ(HttpStatusForCode(grpc::StatusCode::INTERNAL), 500);
+  EXPECT_TRUE(ShouldRetryAfter(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_FALSE(ShouldRetryAfter(grpc::StatusCode::INVALID_ARGUMENT));
+
+  ApiError top_p = ApiErrorFromStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                                   "params.sampling.top_p is 1.5; must be in (0, 1]"));
+  EXPECT_EQ(top_p.param, "top_p");
+  EXPECT_EQ(top_p.message, "top_p is 1.5; must be in (0, 1]");
+  ApiError role = ApiErrorFromStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                                  "messages[2].role is \"x\"; must be ..."));
+  EXPECT_EQ(role.param, "messages[2].role");
+  const json e = json::parse(ErrorJson(ApiErrorFromStatus(
+      grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "gateway is at capacity"))));
+  EXPECT_EQ(e["error"]["type"], "rate_limit_error");
+  EXPECT_EQ(e["error"]["code"], "rate_limit_exceeded");
+  EXPECT_TRUE(e["error"]["param"].is_null());
+  EXPECT_EQ(e["error"]["message"], "gateway is at capacity");
+}
+
+TEST(OpenAiResponseTest, ChunksCarryIdModelUsageAndFinishReason) {
+  ChunkFormatter f("chatcmpl-x", 1700000000, "tiny", /*logprobs=*/true, /*include_usage=*/true);
+  const json role = json::parse(f.RoleChunk());
+  EXPECT_EQ(role["object"], "chat.completion.chunk");
+  EXPECT_EQ(role["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_TRUE(role["usage"].is_null());
+
+  v1::ChatChunk delta;
+  delta.set_text("Hé");
+  v1::TokenLogprob* lp = delta.add_logprobs();
+  lp->set_token("Hé");
+  lp->set_logprob(-0.25f);
+  lp->add_top()->set_token("Hé");
+  const json d = json::parse(f.DeltaChunk(delta));
+  EXPECT_EQ(d["choices"][0]["delta"]["content"], "Hé");
+  const json& token = d["choices"][0]["logprobs"]["content"][0];
+  EXPECT_EQ(token["bytes"], json::array({72, 195, 169}));
+  EXPECT_EQ(token["top_logprobs"].size(), 1u);
+
+  v1::ChatChunk last;
+  last.set_finish_reason(v1::FINISH_REASON_STOP);
+  last.mutable_usage()->set_prompt_tokens(10);
+  last.mutable_usage()->set_completion_tokens(3);
+  last.mutable_usage()->set_cached_prompt_tokens(8);
+  v1::ImageResult* image = last.add_images();
+  image->set_cache(v1::CACHE_LEVEL_MEMORY);
+  const std::vector<std::string> final_chunks = f.FinalChunks(last);
+  ASSERT_EQ(final_chunks.size(), 2u);  // no text left: finish + usage
+  const json finish = json::parse(final_chunks[0]);
+  EXPECT_EQ(finish["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(finish["x_vlm"]["images"][0]["cache"], "memory");
+  EXPECT_TRUE(finish["x_vlm"]["images"][0]["cache_hit"].get<bool>());
+  const json usage = json::parse(final_chunks[1]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["total_tokens"], 13);
+  EXPECT_EQ(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
+
+  v1::ChatResponse response;
+  response.set_text("done");
+  response.set_finish_reason(v1::FINISH_REASON_LENGTH);
+  const json c = json::parse(
+      ChunkFormatter("chatcmpl-y", 1, "tiny", false, false).Completion(response));
+  EXPECT_EQ(c["object"], "chat.completion");
+  EXPECT_EQ(c["choices"][0]["message"]["content"], "done");
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(c["choices"][0]["logprobs"].is_null());
+}
+
+TEST(OpenAiResponseTest, InvalidUtf8InATokenIsReplacedNotThrown) {
+  ChunkFormatter f("chatcmpl-z", 1, "tiny", true, false);
+  v1::ChatChunk delta;
+  delta.add_logprobs()->set_token("\xe4\xbd");  // half a character
+  EXPECT_NO_THROW(json::parse(f.DeltaChunk(delta)));
+}
+
+TEST(ApiKeysTest, BearerKeysFromAFile) {
+  const std::string path = ::testing::TempDir() + "/keys";
+  std::ofstream(path) << "# comment\n\n  key-one  \nkey-two\n";
+  absl::StatusOr<ApiKeys> keys = ApiKeys::LoadFile(path);
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  EXPECT_EQ(keys->size(), 2u);
+  EXPECT_TRUE(keys->CheckAuthorization("Bearer key-one").ok());
+  EXPECT_TRUE(keys->CheckAuthorization("bearer key-two").ok());
+  EXPECT_EQ(keys->CheckAuthorization("").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(keys->CheckAuthorization("Bearer key-on").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(keys->CheckAuthorization("Basic a2V5LW9uZQ==").code(),
+            absl::StatusCode::kUnauthenticated);
+  std::ofstream(path) << "# only a comment\n";
+  EXPECT_EQ(ApiKeys::LoadFile(path).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ApiKeys::LoadFile(path + ".missing").ok());
+}
+
+TEST(ImageSniffTest, RecognisesCommonFormats) {
+  EXPECT_EQ(SniffImageType("\xff\xd8\xff\xe0"), "image/jpeg");
+  EXPECT_EQ(SniffImageType("\x89PNG\r\n\x1a\nrest"), "image/png");
+  EXPECT_EQ(SniffImageType("RIFF1234WEBPVP8 "), "image/webp");
+  EXPECT_EQ(SniffImageType("hello"), "");
+}
+
+}  // namespace
+}  // namespace vlm::gateway
