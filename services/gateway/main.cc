@@ -1,5 +1,6 @@
 // vlm-gateway: the public API vlm.v1.VisionLanguage in front of the vision
-// replicas and the language service.
+// replicas and the language service, and the same pipeline over HTTP: the
+// OpenAI-compatible /v1/chat/completions and a web page (--http_address).
 //
 //   vlm-gateway --language_target=127.0.0.1:50053 --vision_targets=127.0.0.1:50052
 //   vlm-gateway --vision_dns=vlm-vision-headless:50052   # Kubernetes headless Service

@@ -1,5 +1,6 @@
 #include "services/gateway/openai_protocol.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -304,9 +305,47 @@ std::string ErrorJson(const ApiError& error) {
   return DumpJson(json{{"error", std::move(e)}});
 }
 
+// The deepest nesting of arrays and objects in `text` (outside strings), up
+// to `limit` + 1. The JSON parser recurses per level: a body of a million
+// brackets would exhaust the stack, so depth is checked before parsing.
+int NestingDepth(std::string_view text, int limit) {
+  int depth = 0;
+  int deepest = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > limit) return deepest;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
                                                    const ParseOptions& options,
                                                    OpenAiChatRequest* out) {
+  constexpr int kMaxDepth = 32;  // a chat request needs 6
+  if (NestingDepth(body_text, kMaxDepth) > kMaxDepth) {
+    ApiError error = Invalid("", absl::StrCat("the request body nests arrays or objects deeper "
+                                              "than ", kMaxDepth, " levels"));
+    error.error_code = "invalid_json";
+    return error;
+  }
   json body;
   try {
     body = json::parse(body_text);

@@ -67,7 +67,7 @@ struct OpenAiChatRequest {
 };
 
 // Parses a POST /v1/chat/completions body. Fields whose value is null count
-// as absent. Returns the error (400 naming `param`; 404 for another model) or
+// as absent; a body nested deeper than 32 levels is refused before parsing. Returns the error (400 naming `param`; 404 for another model) or
 // nullopt with *out filled. Ranges the gateway checks for both front ends
 // (ValidateChatRequest) are left to it.
 std::optional<ApiError> ParseChatCompletionRequest(std::string_view body,

@@ -367,7 +367,7 @@ TEST(FaultInjectionTest, StoppedBackendLetsDeadlinesFireAndFreesTheSlots) {
     for (const Outcome& o : outcomes) {
       EXPECT_EQ(o.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
           << which << ": " << o.status.error_message();
-      EXPECT_LT(o.elapsed, deadline + absl::Seconds(1)) << which;
+      EXPECT_LT(o.elapsed, deadline + absl::Seconds(2)) << which;  // slack for a busy machine
     }
     // The admission slots are free again while the backend is still stopped.
     EXPECT_TRUE(Eventually(

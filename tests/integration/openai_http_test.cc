@@ -400,6 +400,7 @@ TEST_F(OpenAiHttpTest, LogprobsComeInOpenAiShape) {
 TEST_F(OpenAiHttpTest, BadInputGetsItsPrecise4xxAndTheGatewayKeepsServing) {
   const std::string big = std::string(50 << 20, 'a');  // 50 MB
   std::ofstream(log_dir_ + "/big.json") << "{\"messages\": \"" << big << "\"}";
+  std::ofstream(log_dir_ + "/deep.json") << std::string(1 << 20, '[') << std::string(1 << 20, ']');
   struct Case {
     std::string name;
     std::string body;  // "@file" for a file
@@ -428,6 +429,7 @@ TEST_F(OpenAiHttpTest, BadInputGetsItsPrecise4xxAndTheGatewayKeepsServing) {
   const std::vector<Case> cases = {
       {"malformed JSON", "{\"messages\": [", 400, "", "not valid JSON"},
       {"not an object", "[1, 2]", 400, "", "JSON object"},
+      {"nested a million deep", "@" + log_dir_ + "/deep.json", 400, "", "deeper than 32"},
       {"messages wrong type", R"({"messages": "hello"})", 400, "messages", "must be an array"},
       {"temperature wrong type", wrong_type.dump(), 400, "temperature", "must be a number"},
       {"max_tokens wrong type", wrong_max.dump(), 400, "max_tokens", "must be an integer"},

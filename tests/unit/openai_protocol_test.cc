@@ -10,7 +10,9 @@
 #include <fstream>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "services/gateway/api_keys.h"
+#include "services/gateway/chat_pipeline.h"
 #include "services/gateway/http_status.h"
 
 namespace vlm::gateway {
@@ -294,6 +296,46 @@ TEST(ImageSniffTest, RecognisesCommonFormats) {
   EXPECT_EQ(SniffImageType("\x89PNG\r\n\x1a\nrest"), "image/png");
   EXPECT_EQ(SniffImageType("RIFF1234WEBPVP8 "), "image/webp");
   EXPECT_EQ(SniffImageType("hello"), "");
+}
+
+}  // namespace
+}  // namespace vlm::gateway
+
+namespace vlm::gateway {
+namespace {
+
+TEST(OpenAiRequestTest, DeeplyNestedJsonIsRefusedWithoutCrashing) {
+  // 1M levels in 2 MB: within the body limit; must not exhaust the stack.
+  const std::string nested = std::string(1 << 20, '[') + std::string(1 << 20, ']');
+  OpenAiChatRequest out;
+  std::optional<ApiError> e = ParseChatCompletionRequest(nested, Options(), &out);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->code, grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(e->message, "deeper than 32")) << e->message;
+  // Brackets inside strings are text, not nesting.
+  json body = Body();
+  body["messages"][0]["content"] = std::string(100000, '[') + "\"{";
+  EXPECT_EQ(ParseChatCompletionRequest(body.dump(), Options(), &out), std::nullopt);
+}
+
+TEST(CancellationTest, RunsTheRegisteredCallbackOnceAndLateRegistrationsAtOnce) {
+  Cancellation c;
+  int calls = 0;
+  c.Register([&] { ++calls; });
+  EXPECT_FALSE(c.cancelled());
+  c.Cancel();
+  c.Cancel();
+  EXPECT_TRUE(c.cancelled());
+  EXPECT_EQ(calls, 1);
+  c.Unregister();
+  int late = 0;
+  c.Register([&] { ++late; });  // already cancelled: runs now
+  EXPECT_EQ(late, 1);
+  Cancellation quiet;
+  quiet.Register([&] { ++calls; });
+  quiet.Unregister();
+  quiet.Cancel();
+  EXPECT_EQ(calls, 1);
 }
 
 }  // namespace
