@@ -29,10 +29,10 @@ WORK="$BUILD_DIR/soak"
 mkdir -p "$WORK"
 say() { echo "soak: $*" >&2; }
 
-# Six free loopback ports.
-read -r GP VP LP GMP VMP LMP < <(/usr/bin/python3 - <<'PY'
+# Seven free loopback ports.
+read -r GP VP LP GMP VMP LMP HP < <(/usr/bin/python3 - <<'PY'
 import socket
-socks = [socket.socket() for _ in range(6)]
+socks = [socket.socket() for _ in range(7)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*[s.getsockname()[1] for s in socks])
@@ -55,7 +55,7 @@ trap 'exit 130' INT TERM
 
 say "starting serve.sh on 127.0.0.1 (gateway $GP, vision $VP, language $LP); log $WORK/serve.log"
 SERVE_HOST=127.0.0.1 GATEWAY_PORT=$GP VISION_PORT=$VP LANGUAGE_PORT=$LP \
-  GATEWAY_METRICS_PORT=$GMP VISION_METRICS_PORT=$VMP LANGUAGE_METRICS_PORT=$LMP \
+  GATEWAY_METRICS_PORT=$GMP VISION_METRICS_PORT=$VMP LANGUAGE_METRICS_PORT=$LMP HTTP_PORT=$HP \
   VISION_FLAGS="--cache_max_bytes=8388608 ${SOAK_VISION_FLAGS:-}" \
   LANGUAGE_FLAGS="${SOAK_LANGUAGE_FLAGS:-}" GATEWAY_FLAGS="${SOAK_GATEWAY_FLAGS:-}" \
   VLM_BUILD_DIR="$BUILD_DIR" "$ROOT/scripts/serve.sh" >"$WORK/serve.log" 2>&1 &

@@ -154,6 +154,7 @@ class Stack {
     std::string targets;
     for (auto& v : vision_) targets += (targets.empty() ? "" : ",") + v->grpc_target();
     std::vector<std::string> flags = {"--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+                                      "--http_address=127.0.0.1:0",
                                       "--language_target=" + language_->grpc_target(),
                                       "--vision_targets=" + targets,
                                       "--backend_reconnect_max_ms=200", "--drain_timeout_s=2"};

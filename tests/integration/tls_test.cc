@@ -309,7 +309,8 @@ TEST(TlsStackTest, EveryHopUsesMutualTlsAndClientsConnectWithTheirTlsFlags) {
                           LogDir() + "/stack-language");
   ASSERT_TRUE(vision.WaitListening()) << vision.LogTail();
   ASSERT_TRUE(language.WaitListening()) << language.LogTail();
-  const std::vector<std::string> backends = {"--language_target=" + language.grpc_target(),
+  const std::vector<std::string> backends = {"--http_address=127.0.0.1:0",
+                                             "--language_target=" + language.grpc_target(),
                                              "--vision_targets=" + vision.grpc_target(),
                                              "--backend_reconnect_max_ms=200"};
   ServiceProcess gateway(
