@@ -518,6 +518,142 @@ TEST(DecoderForwardTest, SequencesGiveIdenticalResultsAloneAndBatched) {
   at::set_num_threads(1);
 }
 
+// --- prefix reuse ---------------------------------------------------------------
+
+// Indices [begin, end) of the k-th image pad run of ids.
+std::pair<int64_t, int64_t> ImageRun(const std::vector<int32_t>& ids, int64_t pad, int k) {
+  int64_t i = 0;
+  for (int run = 0;; ++run) {
+    while (i < static_cast<int64_t>(ids.size()) && ids[i] != pad) ++i;
+    int64_t j = i;
+    while (j < static_cast<int64_t>(ids.size()) && ids[j] == pad) ++j;
+    if (run == k || j >= static_cast<int64_t>(ids.size())) return {i, j};
+    i = j;
+  }
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(DecoderForwardTest, PrefixHitGivesTheSameLogitsAndKvAsAColdRun) {
+  // Blocks of 2 tokens: the golden prompts put their first image at index 4.
+  constexpr int64_t kBlock = 2, kChunk = 8, kDecode = 4;
+  const std::vector<int32_t> tail = {1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008};
+  for (ComputeDType dtype : kDtypes) {
+    Model m = Load(dtype);
+    ASSERT_NE(m.decoder, nullptr);
+    const int64_t pad = m.config.image_token_id;
+    Case text = ReadCase("text"), one = ReadCase("one_image"), two = ReadCase("two_images");
+    const auto [b1, e1] = ImageRun(one.ids, pad, 0);
+    const auto [b2, e2] = ImageRun(two.ids, pad, 1);
+    ASSERT_GT(e1, b1 + 2);
+    ASSERT_GE(b1, 1 + kBlock);
+    auto prefix = [](const std::vector<int32_t>& v, int64_t n) {
+      return std::vector<int32_t>(v.begin(), v.begin() + n);
+    };
+    struct Scenario {
+      std::string what;
+      const Case* x;
+      std::vector<int32_t> y;  // Y's tokens (X's images, complete)
+      int64_t shared_blocks;   // X's blocks Y's table starts with
+    };
+    const int64_t mid = (b1 + (e1 - b1) / 2) / kBlock;  // block edge inside the image
+    const std::vector<Scenario> scenarios = {
+        {"text-only history", &text, Concat(prefix(text.ids, 20), tail), 20 / kBlock},
+        {"one image in the prefix", &one, Concat(prefix(one.ids, e1 + 3), tail), (e1 + 3) / kBlock},
+        {"two images in the prefix", &two, Concat(prefix(two.ids, e2 + 3), tail), (e2 + 3) / kBlock},
+        {"hit ending mid-image", &one, Concat(prefix(one.ids, e1 + 2), tail), mid},
+        {"image at another position", &one,
+         Concat(Concat(prefix(one.ids, b1 - 1), {2001, 2002, 2003}),
+                std::vector<int32_t>(one.ids.begin() + b1 - 1, one.ids.end())),
+         (b1 - 1) / kBlock},
+    };
+    ASSERT_GT(mid * kBlock, b1);
+    ASSERT_LT(mid * kBlock, e1);
+    for (const Scenario& sc : scenarios) {
+      const std::string what = std::string(ComputeDTypeName(dtype)) + " " + sc.what;
+      const int64_t start = sc.shared_blocks * kBlock;
+      ASSERT_GT(start, 0) << what;
+      // Y's prompt: all but the last kDecode tokens, which are decoded.
+      const int64_t y_prompt = static_cast<int64_t>(sc.y.size()) - kDecode;
+      auto run_y = [&](KvStorage& kv, Seq& y, Blocks& blocks, int64_t from) {
+        blocks.Reserve(y, static_cast<int64_t>(y.ids.size()), kBlock);
+        std::vector<int64_t> sizes;
+        for (int64_t i = from; i < y_prompt; i += kChunk) sizes.push_back(std::min(kChunk, y_prompt - i));
+        y.done = from;
+        return RunAlone(m, kv, y, y_prompt, sizes);
+      };
+      // Warm: X prefilled first; Y's table starts with X's first blocks.
+      KvStorage warm_kv = NewKv(m, kBlock);
+      Blocks warm_blocks;
+      Seq x = MakeSeq(m, *sc.x, sc.x->ids);
+      warm_blocks.Reserve(x, static_cast<int64_t>(x.ids.size()), kBlock);
+      std::vector<int64_t> x_sizes;
+      for (int64_t i = 0; i < static_cast<int64_t>(x.ids.size()); i += kChunk) {
+        x_sizes.push_back(std::min<int64_t>(kChunk, x.ids.size() - i));
+      }
+      RunAlone(m, warm_kv, x, static_cast<int64_t>(x.ids.size()), x_sizes);
+      Seq warm = MakeSeq(m, *sc.x, sc.y);
+      warm.table.assign(x.table.begin(), x.table.begin() + sc.shared_blocks);
+      at::Tensor warm_logits = run_y(warm_kv, warm, warm_blocks, start);
+      // Cold: Y alone from token 0.
+      KvStorage cold_kv = NewKv(m, kBlock);
+      Blocks cold_blocks;
+      Seq cold = MakeSeq(m, *sc.x, sc.y);
+      at::Tensor cold_logits = run_y(cold_kv, cold, cold_blocks, 0);
+      // The last prompt logits and every decode step, and all of Y's K/V.
+      const int64_t n = kDecode + 1;
+      ASSERT_GE(warm_logits.size(0), n) << what;
+      EXPECT_TRUE(at::equal(warm_logits.narrow(0, warm_logits.size(0) - n, n),
+                            cold_logits.narrow(0, cold_logits.size(0) - n, n)))
+          << what;
+      const int64_t len = static_cast<int64_t>(sc.y.size());
+      EXPECT_TRUE(SameKv(SeqKv(warm_kv, warm, len), SeqKv(cold_kv, cold, len))) << what;
+      std::printf("  %s: %ld of %ld tokens reused (blocks of %ld)\n", what.c_str(),
+                  static_cast<long>(start), static_cast<long>(len), static_cast<long>(kBlock));
+    }
+  }
+}
+
+// --- projections ----------------------------------------------------------------
+
+// RowLinear's rows do not depend on how many rows share the call, for M up to
+// 300 on the 2B's gate/up shape (in 2048, out 6144) and the tiny model's
+// shapes, 1 and 2 threads. Small shapes: every M = 1..300. The 2B shape: every
+// M = 1..48, then every 7th (1.1 TFLOP per sweep in f32 otherwise).
+TEST(RowLinearTest, RowResultsDoNotDependOnRowCount) {
+  at::manual_seed(5);
+  struct Shape {
+    int64_t in, out;
+  };
+  const Shape shapes[] = {{2048, 6144}, {64, 128}, {128, 64}, {64, 64}, {32, 64}};
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    for (const Shape& sh : shapes) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+        const bool large = sh.in * sh.out > 1000000;
+        const at::Tensor x = at::randn({300, sh.in}).to(dtype);
+        const at::Tensor w = (at::randn({sh.out, sh.in}) * 0.05).to(dtype);
+        const at::Tensor all = RowLinear(x, w);
+        std::vector<int64_t> differ;
+        int64_t checked = 0;
+        for (int64_t rows = 1; rows <= 300; rows += large && rows >= 48 ? 7 : 1) {
+          ++checked;
+          if (!at::equal(RowLinear(x.narrow(0, 0, rows), w), all.narrow(0, 0, rows))) {
+            differ.push_back(rows);
+          }
+        }
+        EXPECT_TRUE(differ.empty()) << c10::toString(dtype) << " [" << sh.out << ", " << sh.in
+                                    << "] threads " << threads << ": " << differ.size() << " of "
+                                    << checked << " row counts differ, first M = " << differ[0];
+      }
+    }
+  }
+  at::set_num_threads(1);
+}
+
 // --- validation ---------------------------------------------------------------
 
 TEST(DecoderForwardTest, RejectsBadChunksNamingChunkAndField) {
