@@ -380,6 +380,30 @@ TEST(DecoderForwardBf16Test, TopOneMatchesReferenceWhereMarginIsClear) {
   EXPECT_GT(checked_total, 30);
 }
 
+// In f32 a decode row and a one-token prefill row take the same kernels, so a
+// block written while generating equals one a later prompt would prefill.
+TEST(DecoderForwardF32Test, DecodeRowEqualsOneTokenPrefillRow) {
+  Model m = Load(ComputeDType::kFloat32);
+  ASSERT_NE(m.decoder, nullptr);
+  Case c = ReadCase("one_image");
+  const int64_t s_len = static_cast<int64_t>(c.ids.size());
+  std::vector<at::Tensor> logits;
+  std::vector<std::vector<at::Tensor>> kvs;
+  for (bool decode : {true, false}) {
+    KvStorage kv = NewKv(m, 8);
+    Blocks blocks;
+    Seq s = MakeSeq(m, c, c.Full());
+    blocks.Reserve(s, static_cast<int64_t>(s.ids.size()), 8);
+    Pass(m, kv, {Chunk(s, 0, s_len, false)});
+    std::vector<at::Tensor> rows;
+    for (int64_t p = s_len; p < s_len + 6; ++p) rows.push_back(Pass(m, kv, {Chunk(s, p, 1, decode)}));
+    logits.push_back(at::cat(rows, 0));
+    kvs.push_back(SeqKv(kv, s, s_len + 6));
+  }
+  EXPECT_TRUE(at::equal(logits[0], logits[1]));
+  EXPECT_TRUE(SameKv(kvs[0], kvs[1]));
+}
+
 // --- invariance ------------------------------------------------------------------
 
 const ComputeDType kDtypes[] = {ComputeDType::kFloat32, ComputeDType::kBFloat16};
