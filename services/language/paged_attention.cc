@@ -260,14 +260,16 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
         for (int64_t t0 = 0; t0 < valid; t0 += 16) {
           const int64_t n = std::min<int64_t>(16, valid - t0);
           _mm512_store_ps(e, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
-          for (int64_t t = 0; t < n; ++t) {
-            w.l[v] += e[t];
-            const __m512 ev = _mm512_set1_ps(e[t]);
-            const float* vr = w.vf.data() + (t0 + t) * d;
-            for (int64_t c = 0; c < nv; ++c) {
-              _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(vr + 16 * c),
-                                                             _mm512_loadu_ps(acc + 16 * c)));
+          for (int64_t t = 0; t < n; ++t) w.l[v] += e[t];
+          // acc[c] += e[t]·v[t, c] for t in order (the order per element is
+          // the same as a t-outer loop; the sum stays in a register).
+          const float* vr = w.vf.data() + t0 * d;
+          for (int64_t c = 0; c < nv; ++c) {
+            __m512 a = _mm512_loadu_ps(acc + 16 * c);
+            for (int64_t t = 0; t < n; ++t) {
+              a = _mm512_fmadd_ps(_mm512_set1_ps(e[t]), _mm512_loadu_ps(vr + t * d + 16 * c), a);
             }
+            _mm512_storeu_ps(acc + 16 * c, a);
           }
         }
       }
