@@ -675,6 +675,19 @@ TEST(RowLinearTest, RowResultsDoNotDependOnRowCount) {
       }
     }
   }
+  // The 2B's other projection shapes in bf16 (o_proj/q_proj, k/v_proj,
+  // down_proj), 2 threads: M = 1..24, then every 11th.
+  at::set_num_threads(2);
+  const Shape others[] = {{2048, 2048}, {2048, 1024}, {6144, 2048}};
+  for (const Shape& sh : others) {
+    const at::Tensor x = at::randn({300, sh.in}).to(at::kBFloat16);
+    const at::Tensor w = (at::randn({sh.out, sh.in}) * 0.05).to(at::kBFloat16);
+    const at::Tensor all = RowLinear(x, w);
+    for (int64_t rows = 1; rows <= 300; rows += rows >= 24 ? 11 : 1) {
+      EXPECT_TRUE(at::equal(RowLinear(x.narrow(0, 0, rows), w), all.narrow(0, 0, rows)))
+          << "bf16 [" << sh.out << ", " << sh.in << "] M = " << rows;
+    }
+  }
   at::set_num_threads(1);
 }
 
