@@ -389,5 +389,6 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as they are measured
   return Run();
 }
