@@ -130,6 +130,25 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
   std::printf("| B | pass ms | aggregate tok/s | per-sequence tok/s | speedup vs B=1 | bound "
               "tok/s (B·bw/bytes) | of bound |\n|---|---|---|---|---|---|---|\n");
   double base = 0;
+  {
+    // The single-sequence path (Prefill + DecodeStep) at the same context.
+    std::vector<int32_t> ids(context + steps);
+    for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
+    auto seq = d.NewSequence(context + steps + 1);
+    PrefillInput in;
+    in.token_ids = absl::MakeConstSpan(ids).subspan(0, context);
+    if (!seq.ok() || !d.Prefill(**seq, in).ok()) return 1;
+    std::vector<double> times;
+    for (int s = 0; s < steps; ++s) {
+      bool ok = true;
+      times.push_back(Seconds([&] { ok = d.DecodeStep(**seq, ids[context + s]).ok(); }));
+      if (!ok) return 1;
+    }
+    const double step = Median(times);
+    std::printf("| 1 (DecodeStep, old path) | %.1f | %.2f | %.2f | | %.2f | %.0f%% |\n",
+                step * 1e3, 1 / step, 1 / step, bw / weight_bytes,
+                100.0 / step / (bw / weight_bytes));
+  }
   for (int b : batches) {
     std::vector<std::vector<int32_t>> ids(b), tables(b);
     std::vector<at::Tensor> positions(b);
