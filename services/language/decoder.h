@@ -136,7 +136,9 @@ struct SequenceChunk {
   at::Tensor image_embeds;
   std::vector<at::Tensor> deepstack;
   // true: one generated token (n == 1); it takes the decode path (Gemv
-  // projections in bf16). false: prompt rows (prefill path).
+  // projections in bf16) and is embedded as is (an image-pad id the model
+  // generated takes no image row, as in DecodeStep). false: prompt rows
+  // (prefill path).
   bool decode = false;
   bool logits = false;  // return float32 logits of the chunk's last token
 };

@@ -782,6 +782,15 @@ TEST(DecoderForwardTest, RejectsBadChunksNamingChunkAndField) {
   auto ok = m.decoder->Forward(kv, {whole});
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_LE(RowError((*ok)[0], c.logits[n - 1]), kF32Tolerance);
+  // A generated image-pad token is a plain decode token (no image row).
+  Seq g;
+  g.ids = {1, 2, static_cast<int32_t>(m.config.image_token_id)};
+  g.positions = at::arange(3, at::TensorOptions().dtype(at::kLong)).unsqueeze(0).repeat({3, 1});
+  g.pad_before = {0, 0, 0, 0};
+  blocks.Reserve(g, 3, 8);
+  ASSERT_TRUE(m.decoder->Forward(kv, {Chunk(g, 0, 2, false)}).ok());
+  auto generated = m.decoder->Forward(kv, {Chunk(g, 2, 1, true)});
+  EXPECT_TRUE(generated.ok()) << generated.status();
   // No chunk: nothing to do.
   auto none = m.decoder->Forward(kv, {});
   ASSERT_TRUE(none.ok());
