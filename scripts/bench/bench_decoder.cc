@@ -55,6 +55,8 @@ ABSL_FLAG(int, context, 256, "batched forward: tokens in each sequence's KV befo
 ABSL_FLAG(int, forward_steps, 8, "batched forward: decode passes per batch size");
 ABSL_FLAG(int, forward_prefill, 512, "prompt tokens for Prefill vs Forward (0: skip)");
 ABSL_FLAG(int64_t, block_size, 16, "paged KV block size (tokens)");
+ABSL_FLAG(std::string, tables, "decode,prefill,attention",
+          "batched forward tables to print: decode, prefill, attention");
 
 namespace {
 
@@ -107,6 +109,9 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
   }
   const int context = absl::GetFlag(FLAGS_context), steps = absl::GetFlag(FLAGS_forward_steps);
   const int64_t bs = absl::GetFlag(FLAGS_block_size);
+  const std::string tables = absl::GetFlag(FLAGS_tables);
+  auto want = [&](const char* t) { return tables.find(t) != std::string::npos; };
+  if (batches.empty() || !want("decode")) batches = {1};
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   const int64_t per_seq = (context + steps + bs) / bs;  // blocks per sequence
   const int prefill_n = absl::GetFlag(FLAGS_forward_prefill);
@@ -124,6 +129,7 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
         .contiguous();
   };
   const double weight_bytes = static_cast<double>(d.decode_weight_bytes());
+  if (want("decode")) {
   std::printf("\n### Batched decode through Decoder::Forward (context %d per sequence, "
               "median of %d passes)\n\n",
               context, steps);
@@ -198,6 +204,7 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
   }
   std::printf("\nweight bytes per pass %.1f MB, read bandwidth %.1f GB/s\n", weight_bytes / 1048576.0,
               bw / 1e9);
+  }  // decode
 
   if (prefill_n > 0) {
     std::vector<int32_t> ids(prefill_n);
@@ -208,7 +215,7 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
     auto seq = d.NewSequence(prefill_n + 1);
     if (!seq.ok()) return 1;
     std::vector<double> old_t, new_t;
-    for (int rep = 0; rep < 3; ++rep) {
+    for (int rep = 0; rep < 3 && want("prefill"); ++rep) {
       (*seq)->Reset();
       PrefillInput in;
       in.token_ids = ids;
@@ -222,6 +229,7 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
       new_t.push_back(Seconds([&] { ok = ok && d.Forward(*kv, {c}).ok(); }));
       if (!ok) return 1;
     }
+    if (want("prefill")) {
     const double o = Median(old_t), n = Median(new_t);
     std::printf("\n### Prefill of %d tokens (median of 3)\n\n| path | s | tok/s |\n|---|---|---|\n",
                 prefill_n);
@@ -229,7 +237,9 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
                 prefill_n / o);
     std::printf("| Forward (one chunk) | %.3f | %.1f |\n| Forward / Prefill | %.2fx | |\n", n,
                 prefill_n / n, n / o);
+    }  // prefill
 
+    if (!want("attention")) return 0;
     // One layer's attention, 2B shapes from the config, compute dtype.
     const TextConfig& tc = d.config().text;
     const int64_t hq = tc.num_attention_heads, hkv = tc.num_key_value_heads, hd = tc.head_dim;
