@@ -49,6 +49,7 @@ struct Scratch {
   std::vector<float> kt;      // [D, ldk] one key block, transposed (avx512)
   std::vector<float> kf, vf;  // [block, D] one key/value block in f32
   std::vector<float> s;       // [NQ, ldk] scores of one block
+  std::vector<float> e;       // [group, ldk] exp(score - max) of one query (avx512)
 };
 
 // Loads the item's queries (scaled) and resets the softmax state.
@@ -224,7 +225,7 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
   w.kt.resize(d * ldk);
   w.vf.resize(bs * d);
   w.s.resize(nq * ldk);
-  alignas(64) float e[16];
+  w.e.resize(g.group * ldk);
   for (int64_t b = 0; b <= last / bs; ++b) {
     const int64_t nk = std::min(bs, last + 1 - b * bs);
     const int64_t base = (static_cast<int64_t>(it.run->block_table[b]) * g.hkv + it.kv_head) * bs * d;
@@ -285,12 +286,17 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
         _mm512_storeu_ps(w.s.data() + v0 * ldk + 16 * j, s0);
       }
     }
-    // Online softmax update of each query vector over its visible keys.
+    // Online softmax update of each query vector over its visible keys: the
+    // heads of one query share `valid`. First each head's rescale, exp and
+    // sum (in key order), then acc[c] += e[t]·v[t, c] for t in order, two
+    // heads at a time so each value load serves both (the order per element
+    // is unchanged, so results do not depend on the pairing).
     for (int64_t i = it.i0; i < it.i1; ++i) {
       const int64_t valid = Visible(it, i, b, bs);
       if (valid <= 0) continue;
+      const int64_t v_first = (i - it.i0) * g.group;
       for (int64_t h = 0; h < g.group; ++h) {
-        const int64_t v = (i - it.i0) * g.group + h;
+        const int64_t v = v_first + h;
         const float* s = w.s.data() + v * ldk;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, s[t]);
@@ -306,20 +312,40 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
           w.m[v] = m_new;
         }
         const __m512 mv = _mm512_set1_ps(m_new);
+        float* e = w.e.data() + h * ldk;
         for (int64_t t0 = 0; t0 < valid; t0 += 16) {
-          const int64_t n = std::min<int64_t>(16, valid - t0);
-          _mm512_store_ps(e, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
-          for (int64_t t = 0; t < n; ++t) w.l[v] += e[t];
-          // acc[c] += e[t]·v[t, c] for t in order (the order per element is
-          // the same as a t-outer loop; the sum stays in a register).
-          const float* vr = w.vf.data() + t0 * d;
-          for (int64_t c = 0; c < nv; ++c) {
-            __m512 a = _mm512_loadu_ps(acc + 16 * c);
-            for (int64_t t = 0; t < n; ++t) {
-              a = _mm512_fmadd_ps(_mm512_set1_ps(e[t]), _mm512_loadu_ps(vr + t * d + 16 * c), a);
-            }
-            _mm512_storeu_ps(acc + 16 * c, a);
+          _mm512_storeu_ps(e + t0, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
+        }
+        for (int64_t t = 0; t < valid; ++t) w.l[v] += e[t];
+      }
+      int64_t h = 0;
+      for (; h + 2 <= g.group; h += 2) {
+        float* acc0 = w.acc.data() + (v_first + h) * d;
+        float* acc1 = acc0 + d;
+        const float* e0 = w.e.data() + h * ldk;
+        const float* e1 = e0 + ldk;
+        for (int64_t c = 0; c < nv; ++c) {
+          __m512 a0 = _mm512_loadu_ps(acc0 + 16 * c), a1 = _mm512_loadu_ps(acc1 + 16 * c);
+          const float* vc16 = w.vf.data() + 16 * c;
+          for (int64_t t = 0; t < valid; ++t) {
+            const __m512 vv = _mm512_loadu_ps(vc16 + t * d);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(e0[t]), vv, a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(e1[t]), vv, a1);
           }
+          _mm512_storeu_ps(acc0 + 16 * c, a0);
+          _mm512_storeu_ps(acc1 + 16 * c, a1);
+        }
+      }
+      for (; h < g.group; ++h) {
+        float* acc = w.acc.data() + (v_first + h) * d;
+        const float* e = w.e.data() + h * ldk;
+        for (int64_t c = 0; c < nv; ++c) {
+          __m512 a = _mm512_loadu_ps(acc + 16 * c);
+          const float* vc16 = w.vf.data() + 16 * c;
+          for (int64_t t = 0; t < valid; ++t) {
+            a = _mm512_fmadd_ps(_mm512_set1_ps(e[t]), _mm512_loadu_ps(vc16 + t * d), a);
+          }
+          _mm512_storeu_ps(acc + 16 * c, a);
         }
       }
     }
