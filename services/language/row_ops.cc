@@ -27,9 +27,11 @@ bool UseAvx512() {
   return avx512;
 }
 
-// Rows per parallel task: enough work to amortise a task, any split is fine
-// (each row is computed by exactly one thread).
-int64_t Grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
+// Rows per parallel task (any split gives the same results: each row is
+// computed by exactly one thread): about 256K elements, so a decode pass's
+// few rows run inline instead of opening an OpenMP region whose barrier
+// waits out a descheduled thread on a busy machine.
+int64_t Grain(int64_t n) { return std::max<int64_t>(1, 262144 / std::max<int64_t>(n, 1)); }
 
 void CheckRows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
