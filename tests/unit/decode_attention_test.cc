@@ -144,7 +144,7 @@ PagedSetup MakePaged(const PagedShape& s, at::ScalarType dtype,
 // softmax(q·kᵀ·scale)·v in float32 per query over keys 0..p, keys gathered
 // through the table.
 at::Tensor PagedReference(const PagedSetup& p, double scale) {
-  const int64_t hq = p.q.size(1), hkv = p.k.size(1), bs = p.k.size(2), d = p.k.size(3);
+  const int64_t hq = p.q.size(1), hkv = p.k.size(1), d = p.k.size(3);
   at::Tensor out = at::zeros(p.q.sizes(), at::TensorOptions().dtype(at::kFloat));
   for (const PagedQueryRun& run : p.runs) {
     std::vector<int64_t> ids(run.block_table.begin(), run.block_table.end());
@@ -160,7 +160,6 @@ at::Tensor PagedReference(const PagedSetup& p, double scale) {
       const at::Tensor scores = at::matmul(q, k.narrow(1, 0, len).transpose(1, 2)) * scale;
       out[run.row + i] = at::matmul(at::softmax(scores, -1), v.narrow(1, 0, len)).view({hq, d});
     }
-    (void)bs;
   }
   return out;
 }
