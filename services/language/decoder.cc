@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <initializer_list>
 #include <tuple>
 #include <utility>
 
@@ -16,6 +18,8 @@
 #include "common/nn.h"
 #include "services/language/decode_attention.h"
 #include "services/language/gemv.h"
+#include "services/language/paged_attention.h"
+#include "services/language/row_ops.h"
 
 namespace vlm::language {
 namespace {
@@ -467,8 +471,15 @@ absl::StatusOr<at::Tensor> Decoder::DecodeStep(Sequence& seq, int32_t token_id) 
 }
 
 // ---------------------------------------------------------------------------
-// Paged, batched forward (not implemented yet)
+// Paged, batched forward
 // ---------------------------------------------------------------------------
+//
+// Rows of a pass: the prefill chunks' tokens (in chunk order), then the decode
+// chunks' tokens. Every step is row-invariant: row ops from row_ops.h,
+// projections by row kind (prefill rows: one padded at::linear over all of
+// them; decode rows: Gemv, or the padded at::linear without Gemv), attention
+// through PagedAttention (fixed block order per query). So a chunk's result
+// depends only on its own rows and the KV it reads.
 
 uint64_t KvStorage::bytes() const {
   uint64_t total = 0;
@@ -484,12 +495,323 @@ uint64_t Decoder::kv_bytes_per_token() const {
 }
 
 absl::StatusOr<KvStorage> Decoder::NewKvStorage(int64_t num_blocks, int64_t block_size) const {
-  return absl::UnimplementedError("paged KV storage is not implemented yet");
+  if (num_blocks < 1 || block_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("KV storage: num_blocks ", num_blocks,
+                                                   " and block_size ", block_size,
+                                                   " must be >= 1"));
+  }
+  const TextConfig& c = config_.text;
+  KvStorage kv;
+  kv.num_blocks = num_blocks;
+  kv.block_size = block_size;
+  try {
+    // Zero-filled: the budget is committed now, and blocks hold defined values.
+    const auto opts = at::TensorOptions().dtype(ToScalarType(compute_dtype_));
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      kv.k.push_back(at::zeros({num_blocks, c.num_key_value_heads, block_size, c.head_dim}, opts));
+      kv.v.push_back(at::zeros({num_blocks, c.num_key_value_heads, block_size, c.head_dim}, opts));
+    }
+  } catch (const c10::Error& e) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "KV storage of ", num_blocks, " blocks x ", block_size, " tokens (",
+        static_cast<uint64_t>(num_blocks) * block_size * kv_bytes_per_token(),
+        " bytes): ", e.what_without_backtrace()));
+  }
+  return kv;
+}
+
+// Everything one pass needs besides the hidden states and weights.
+struct Decoder::Batch {
+  int64_t prefill_rows = 0, decode_rows = 0;
+  int64_t rows() const { return prefill_rows + decode_rows; }
+  std::vector<int64_t> ids;          // [R] token ids (int64 for index_select)
+  std::vector<int64_t> cache_index;  // [R]
+  std::vector<const int32_t*> table;  // [R] the row's block table
+  at::Tensor cos, sin;               // [R, head_dim] float32
+  std::vector<PagedQueryRun> runs;   // one per chunk
+  at::Tensor image_rows;             // [V] int64 batch rows holding image pads
+  at::Tensor image_embeds;           // [V, hidden] compute dtype
+  std::vector<at::Tensor> deepstack; // per level [V, hidden] compute dtype
+  at::Tensor logit_rows;             // [L] int64, in chunk order
+};
+
+absl::Status Decoder::ValidateChunks(const KvStorage& kv,
+                                     absl::Span<const SequenceChunk> chunks) const {
+  const TextConfig& c = config_.text;
+  const at::ScalarType dtype = ToScalarType(compute_dtype_);
+  const int64_t layers = c.num_hidden_layers;
+  if (kv.block_size < 1 || kv.num_blocks < 1 || static_cast<int64_t>(kv.k.size()) != layers ||
+      static_cast<int64_t>(kv.v.size()) != layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV storage: ", kv.k.size(), "/", kv.v.size(), " K/V tensors for ", layers,
+        " layers, block_size ", kv.block_size, ", num_blocks ", kv.num_blocks,
+        " (use Decoder::NewKvStorage)"));
+  }
+  const std::vector<int64_t> shape = {kv.num_blocks, c.num_key_value_heads, kv.block_size,
+                                      c.head_dim};
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const at::Tensor* t : {&kv.k[l], &kv.v[l]}) {
+      if (!t->defined() || t->sizes().vec() != shape || t->scalar_type() != dtype ||
+          !t->is_contiguous()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "KV storage: layer ", l, " must be a contiguous [", absl::StrJoin(shape, ", "),
+            "] ", c10::toString(dtype), " tensor (use Decoder::NewKvStorage)"));
+      }
+    }
+  }
+  const int32_t image_pad = static_cast<int32_t>(config_.image_token_id);
+  const int32_t video_pad = static_cast<int32_t>(config_.video_token_id);
+  const size_t levels = config_.vision.deepstack_visual_indexes.size();
+  const int64_t bs = kv.block_size;
+  // Blocks each chunk writes (its table entries from start / bs on): no two
+  // chunks may touch them.
+  std::vector<int> writer(kv.num_blocks, -1);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const SequenceChunk& ch = chunks[i];
+    const std::string name = absl::StrCat("chunk ", i, ": ");
+    const int64_t n = static_cast<int64_t>(ch.token_ids.size());
+    if (n == 0) return absl::InvalidArgumentError(absl::StrCat(name, "token_ids is empty"));
+    if (ch.decode && n != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "token_ids has ", n, " tokens; a decode chunk has exactly 1"));
+    }
+    if (ch.start < 0 || ch.start + n > max_context()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, "start ", ch.start, " + ", n, " tokens is outside the context 0..",
+          max_context(), " (max_position_embeddings)"));
+    }
+    int64_t pads = 0;
+    for (int64_t t = 0; t < n; ++t) {
+      const int32_t id = ch.token_ids[t];
+      if (id < 0 || id >= c.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(name, "token_ids[", t, "] = ", id,
+                                                       " is outside the vocabulary 0..",
+                                                       c.vocab_size - 1));
+      }
+      if (id == video_pad) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, "token_ids[", t, "] is <|video_pad|>: video input is not supported"));
+      }
+      pads += id == image_pad;
+    }
+    const int64_t needed = (ch.start + n + bs - 1) / bs;
+    if (static_cast<int64_t>(ch.block_table.size()) < needed) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, "block_table has ", ch.block_table.size(), " entries; cache indices [0, ",
+          ch.start + n, ") need ", needed, " blocks of ", bs));
+    }
+    for (int64_t b = 0; b < needed; ++b) {
+      const int32_t id = ch.block_table[b];
+      if (id < 0 || id >= kv.num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat(name, "block_table[", b, "] = ", id,
+                                                       " is outside the KV storage's blocks 0..",
+                                                       kv.num_blocks - 1));
+      }
+    }
+    for (int64_t b = ch.start / bs; b < needed; ++b) {
+      int& w = writer[ch.block_table[b]];
+      if (w >= 0 && w != static_cast<int>(i)) {
+        return absl::InvalidArgumentError(absl::StrCat(name, "block_table[", b, "] = ",
+                                                       ch.block_table[b],
+                                                       " is also written by chunk ", w));
+      }
+      w = static_cast<int>(i);
+    }
+    const at::Tensor& pos = ch.positions;
+    if (!pos.defined() || pos.dim() != 2 || pos.size(0) != 3 || pos.size(1) != n ||
+        (pos.scalar_type() != at::kLong && pos.scalar_type() != at::kInt)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, "positions must be a [3, ", n, "] int64 tensor, got ",
+          pos.defined() ? absl::StrCat("[", absl::StrJoin(pos.sizes().vec(), ", "), "] ",
+                                       c10::toString(pos.scalar_type()))
+                        : "undefined"));
+    }
+    auto check_rows = [&](const at::Tensor& t, const std::string& what) -> absl::Status {
+      if (pads == 0 && (!t.defined() || (t.dim() == 2 && t.size(0) == 0))) {
+        return absl::OkStatus();
+      }
+      if (!t.defined() || t.dim() != 2 || t.size(0) != pads || t.size(1) != c.hidden_size ||
+          (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kFloat)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, what, " must be [", pads, ", ", c.hidden_size,
+            "] bf16 or f32 (one row per image pad token of the chunk), got ",
+            t.defined() ? absl::StrCat("[", absl::StrJoin(t.sizes().vec(), ", "), "] ",
+                                       c10::toString(t.scalar_type()))
+                        : "undefined"));
+      }
+      return absl::OkStatus();
+    };
+    if (absl::Status s = check_rows(ch.image_embeds, "image_embeds"); !s.ok()) return s;
+    if (pads > 0 && ch.deepstack.size() != levels) {
+      return absl::InvalidArgumentError(absl::StrCat(name, "deepstack has ", ch.deepstack.size(),
+                                                     " tensors; the model injects ", levels,
+                                                     " levels"));
+    }
+    if (ch.deepstack.size() > levels) {
+      return absl::InvalidArgumentError(absl::StrCat(name, "deepstack has ", ch.deepstack.size(),
+                                                     " tensors; the model injects ", levels));
+    }
+    for (size_t j = 0; j < ch.deepstack.size(); ++j) {
+      if (absl::Status s = check_rows(ch.deepstack[j], absl::StrCat("deepstack[", j, "]"));
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ys[i] = h·ws[i]ᵀ for all rows of the pass, by row kind (never mixing them).
+std::vector<at::Tensor> Decoder::Project(const Batch& b, const at::Tensor& h,
+                                         std::initializer_list<at::Tensor> weights) const {
+  const std::vector<at::Tensor> ws(weights);
+  const int64_t np = b.prefill_rows, nd = b.decode_rows;
+  std::vector<at::Tensor> ys;
+  if (nd == 0) {
+    for (const at::Tensor& w : ws) ys.push_back(RowLinear(h, w));
+    return ys;
+  }
+  for (const at::Tensor& w : ws) ys.push_back(at::empty({np + nd, w.size(0)}, h.options()));
+  if (np > 0) {
+    const at::Tensor hp = h.narrow(0, 0, np);
+    for (size_t i = 0; i < ws.size(); ++i) ys[i].narrow(0, 0, np).copy_(RowLinear(hp, ws[i]));
+  }
+  if (use_gemv_) {
+    for (int64_t r0 = np; r0 < np + nd; r0 += kGemvRows) {
+      const int64_t rows = std::min(kGemvRows, np + nd - r0);
+      std::vector<at::Tensor> outs;
+      for (const at::Tensor& y : ys) outs.push_back(y.narrow(0, r0, rows));
+      std::vector<at::Tensor*> ptrs;
+      for (at::Tensor& y : outs) ptrs.push_back(&y);
+      Check(GemvMulti(h.narrow(0, r0, rows), ws, ptrs));
+    }
+  } else {
+    const at::Tensor hd = h.narrow(0, np, nd);
+    for (size_t i = 0; i < ws.size(); ++i) ys[i].narrow(0, np, nd).copy_(RowLinear(hd, ws[i]));
+  }
+  return ys;
 }
 
 absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
                                             absl::Span<const SequenceChunk> chunks) const {
-  return absl::UnimplementedError("batched forward is not implemented yet");
+  if (absl::Status s = ValidateChunks(kv, chunks); !s.ok()) return s;
+  if (chunks.empty()) return at::Tensor();
+  const TextConfig& c = config_.text;
+  const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
+  const double eps = c.rms_norm_eps;
+  const int64_t bs = kv.block_size;
+  try {
+    const at::ScalarType dtype = ToScalarType(compute_dtype_);
+    const auto long_opts = at::TensorOptions().dtype(at::kLong);
+    // --- the pass's rows: prefill chunks, then decode chunks ------------------
+    Batch b;
+    std::vector<size_t> order;
+    for (size_t i = 0; i < chunks.size(); ++i) if (!chunks[i].decode) order.push_back(i);
+    for (size_t i = 0; i < chunks.size(); ++i) if (chunks[i].decode) order.push_back(i);
+    std::vector<int64_t> first_row(chunks.size());
+    std::vector<at::Tensor> positions, images;
+    std::vector<std::vector<at::Tensor>> deep(config_.vision.deepstack_visual_indexes.size());
+    std::vector<int64_t> image_rows;
+    for (size_t i : order) {
+      const SequenceChunk& ch = chunks[i];
+      const int64_t n = static_cast<int64_t>(ch.token_ids.size());
+      const int64_t row0 = static_cast<int64_t>(b.ids.size());
+      first_row[i] = row0;
+      (ch.decode ? b.decode_rows : b.prefill_rows) += n;
+      int64_t pads = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        b.ids.push_back(ch.token_ids[t]);
+        b.cache_index.push_back(ch.start + t);
+        b.table.push_back(ch.block_table.data());
+        if (ch.token_ids[t] == config_.image_token_id) {
+          image_rows.push_back(row0 + t);
+          ++pads;
+        }
+      }
+      if (pads > 0) {
+        images.push_back(ch.image_embeds.to(dtype));
+        for (size_t j = 0; j < deep.size(); ++j) deep[j].push_back(ch.deepstack[j].to(dtype));
+      }
+      positions.push_back(ch.positions.to(at::kLong));
+      b.runs.push_back({row0, n, ch.start, ch.block_table});
+    }
+    const int64_t r = b.rows();
+    RowCosSin(at::cat(positions, 1), rotary_->inv_freq(), rotary_->frequency_axes().data(), &b.cos,
+              &b.sin);
+    if (!image_rows.empty()) {
+      b.image_rows = at::tensor(image_rows, long_opts);
+      b.image_embeds = at::cat(images, 0);
+      for (auto& level : deep) b.deepstack.push_back(at::cat(level, 0));
+    }
+    std::vector<int64_t> logit_rows;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (chunks[i].logits) {
+        logit_rows.push_back(first_row[i] + static_cast<int64_t>(chunks[i].token_ids.size()) - 1);
+      }
+    }
+
+    // --- §5.1 embedding with the image splice -----------------------------
+    // x: [R, hidden]
+    at::Tensor x = at::index_select(embed_tokens_, 0, at::tensor(b.ids, long_opts));
+    if (b.image_rows.defined()) x.index_copy_(0, b.image_rows, b.image_embeds);
+
+    PagedAttentionOptions attention;
+    attention.scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const size_t elem = x.element_size();
+    for (int l = 0; l < layers_->num_layers(); ++l) {
+      absl::StatusOr<LayerStore::Handle> handle = layers_->Acquire(l);
+      TORCH_CHECK(handle.ok(), "layer ", l, ": ", handle.status().ToString());
+      const DecoderLayerWeights& w = **handle;
+
+      // --- self-attention ------------------------------------------------
+      at::Tensor h = RowRmsNorm(x, w.input_layernorm, eps);
+      std::vector<at::Tensor> qkv = Project(b, h, {w.q_proj, w.k_proj, w.v_proj});
+      // q: [R, Hq, D], k, v: [R, Hkv, D]; q/k norm per head, before RoPE.
+      at::Tensor q = RowRmsNorm(qkv[0].view({r * hq, d}), w.q_norm, eps).view({r, hq, d});
+      at::Tensor k = RowRmsNorm(qkv[1].view({r * hkv, d}), w.k_norm, eps).view({r, hkv, d});
+      const at::Tensor v = qkv[2].contiguous();
+      RowRotaryInPlace(q, b.cos, b.sin);
+      RowRotaryInPlace(k, b.cos, b.sin);
+      // Cache: [blocks, Hkv, block_size, D]; row i goes to its block's slot.
+      char* kc = static_cast<char*>(kv.k[l].data_ptr());
+      char* vc = static_cast<char*>(kv.v[l].data_ptr());
+      const char* ks = static_cast<const char*>(k.data_ptr());
+      const char* vs = static_cast<const char*>(v.data_ptr());
+      for (int64_t i = 0; i < r; ++i) {
+        const int64_t p = b.cache_index[i];
+        const int64_t block = b.table[i][p / bs];
+        for (int64_t g = 0; g < hkv; ++g) {
+          const size_t dst = static_cast<size_t>(((block * hkv + g) * bs + p % bs) * d) * elem;
+          const size_t src = static_cast<size_t>((i * hkv + g) * d) * elem;
+          std::memcpy(kc + dst, ks + src, d * elem);
+          std::memcpy(vc + dst, vs + src, d * elem);
+        }
+      }
+      at::Tensor o = PagedAttention(q, kv.k[l], kv.v[l], b.runs, attention).view({r, hq * d});
+      RowAddInPlace(x, Project(b, o, {w.o_proj})[0]);
+
+      // --- MLP --------------------------------------------------------------
+      at::Tensor n = RowRmsNorm(x, w.post_attention_layernorm, eps);
+      std::vector<at::Tensor> gate_up = Project(b, n, {w.gate_proj, w.up_proj});
+      RowAddInPlace(x, Project(b, RowSiluMul(gate_up[0], gate_up[1]), {w.down_proj})[0]);
+
+      // --- deepstack (§5.3): after layer l, at the image rows ---------------
+      if (l < static_cast<int>(b.deepstack.size()) && b.image_rows.defined()) {
+        at::Tensor rows = x.index_select(0, b.image_rows);
+        RowAddInPlace(rows, b.deepstack[l]);
+        x.index_copy_(0, b.image_rows, rows);
+      }
+    }
+    if (logit_rows.empty()) return at::Tensor();
+
+    // --- final norm and LM head (§5.4) for the rows that want logits --------
+    at::Tensor hidden =
+        RowRmsNorm(x.index_select(0, at::tensor(logit_rows, long_opts)), final_norm_, eps);
+    if (use_gemv_) return Head(hidden);  // Gemv: per-row results, groups of 8 rows
+    return RowLinear(hidden, lm_head_).to(at::kFloat);
+  } catch (const c10::Error& e) {
+    return Internal("forward", e);
+  }
 }
 
 }  // namespace vlm::language

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -209,7 +210,12 @@ class Decoder {
 
  private:
   struct Pass;
+  struct Batch;
   Decoder() = default;
+  absl::Status ValidateChunks(const KvStorage& kv, absl::Span<const SequenceChunk> chunks) const;
+  // ys[i] = h·ws[i]ᵀ over a Forward pass's rows, prefill and decode rows apart.
+  std::vector<at::Tensor> Project(const Batch& b, const at::Tensor& h,
+                                  std::initializer_list<at::Tensor> weights) const;
   // Runs S tokens (embedded: x [S, hidden]) through every layer, writing
   // their K/V at cache indices seq.length_ .. + S - 1; returns [S, hidden].
   at::Tensor RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) const;

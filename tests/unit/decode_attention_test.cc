@@ -1,10 +1,18 @@
 // DecodeAttention (the AVX-512 bf16 kernel) against its ATen formulation and
-// against float32 attention on the same bf16 values.
+// against float32 attention on the same bf16 values; PagedAttention (both
+// paths) against a float32 softmax reference, and its batch invariance.
 #include "services/language/decode_attention.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "services/language/paged_attention.h"
 
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include "common/nn.h"
@@ -82,6 +90,182 @@ TEST(DecodeAttentionTest, RejectsBadShapes) {
   at::Tensor q4 = at::randn({4, 32}).to(at::kBFloat16);
   EXPECT_THROW(DecodeAttention(q4, k, k, 17, 1.0), c10::Error);  // beyond capacity
   EXPECT_THROW(DecodeAttention(q4, k, k, 0, 1.0), c10::Error);
+}
+
+}  // namespace
+}  // namespace vlm::language
+
+// ---------------------------------------------------------------------------
+// PagedAttention (paged_attention.h): causal GQA through a block table.
+// ---------------------------------------------------------------------------
+
+namespace vlm::language {
+namespace {
+
+struct PagedShape {
+  int64_t hq, hkv, d, block_size;
+};
+
+// A KV cache of `blocks` random blocks and runs of several sequences whose
+// block tables are random permutations of disjoint block ids.
+struct PagedSetup {
+  at::Tensor q, k, v;                     // [R, Hq, D], [blocks, Hkv, bs, D] x2
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<PagedQueryRun> runs;
+};
+
+PagedSetup MakePaged(const PagedShape& s, at::ScalarType dtype,
+                     const std::vector<std::pair<int64_t, int64_t>>& start_count, uint64_t seed) {
+  at::manual_seed(seed);
+  PagedSetup p;
+  int64_t rows = 0, blocks = 0;
+  for (const auto& [start, count] : start_count) {
+    rows += count;
+    blocks += (start + count + s.block_size - 1) / s.block_size;
+  }
+  p.q = (at::randn({rows, s.hq, s.d}) * 2).to(dtype);
+  p.k = at::randn({blocks + 3, s.hkv, s.block_size, s.d}).to(dtype);
+  p.v = at::randn({blocks + 3, s.hkv, s.block_size, s.d}).to(dtype);
+  const at::Tensor perm = at::randperm(blocks + 3, at::TensorOptions().dtype(at::kLong));
+  int64_t row = 0, next = 0;
+  p.tables.resize(start_count.size());
+  for (size_t i = 0; i < start_count.size(); ++i) {
+    const auto [start, count] = start_count[i];
+    for (int64_t b = 0; b < (start + count + s.block_size - 1) / s.block_size; ++b) {
+      p.tables[i].push_back(static_cast<int32_t>(perm[next++].item<int64_t>()));
+    }
+    p.runs.push_back({row, count, start, p.tables[i]});
+    row += count;
+  }
+  return p;
+}
+
+// softmax(q·kᵀ·scale)·v in float32 per query over keys 0..p, keys gathered
+// through the table.
+at::Tensor PagedReference(const PagedSetup& p, double scale) {
+  const int64_t hq = p.q.size(1), hkv = p.k.size(1), bs = p.k.size(2), d = p.k.size(3);
+  at::Tensor out = at::zeros(p.q.sizes(), at::TensorOptions().dtype(at::kFloat));
+  for (const PagedQueryRun& run : p.runs) {
+    std::vector<int64_t> ids(run.block_table.begin(), run.block_table.end());
+    const at::Tensor index = at::tensor(ids, at::TensorOptions().dtype(at::kLong));
+    // [blocks, Hkv, bs, D] -> [Hkv, blocks·bs, D]
+    auto gather = [&](const at::Tensor& c) {
+      return c.index_select(0, index).transpose(0, 1).reshape({hkv, -1, d}).to(at::kFloat);
+    };
+    const at::Tensor k = gather(p.k), v = gather(p.v);
+    for (int64_t i = 0; i < run.count; ++i) {
+      const int64_t len = run.start + i + 1;
+      const at::Tensor q = p.q[run.row + i].to(at::kFloat).view({hkv, hq / hkv, d});
+      const at::Tensor scores = at::matmul(q, k.narrow(1, 0, len).transpose(1, 2)) * scale;
+      out[run.row + i] = at::matmul(at::softmax(scores, -1), v.narrow(1, 0, len)).view({hq, d});
+    }
+    (void)bs;
+  }
+  return out;
+}
+
+const PagedShape kPagedShapes[] = {
+    {4, 2, 32, 4}, {16, 8, 128, 16}, {8, 8, 64, 5}, {2, 1, 256, 16}, {6, 2, 48, 7}};
+// Prefill runs (a whole prompt, a continuation after a prefix) and decode runs.
+const std::vector<std::pair<int64_t, int64_t>> kRuns = {{0, 37}, {21, 12}, {40, 1}, {0, 1}, {5, 1}};
+
+// f32 caches: float32 rounding only. bf16: the output is rounded once to bf16
+// (2^-9 relative) and the reference sees the same bf16 q, k, v.
+double PagedTolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 2e-6 : 8e-3; }
+
+TEST(PagedAttentionTest, MatchesFloat32SoftmaxReferenceOnEveryPath) {
+  for (AttentionPath path : {AttentionPath::kAvx512, AttentionPath::kScalar}) {
+    if (!AttentionPathSupported(path)) continue;
+    for (const PagedShape& s : kPagedShapes) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+        const PagedSetup p = MakePaged(s, dtype, kRuns, 17);
+        PagedAttentionOptions o;
+        o.scale = 1.0 / std::sqrt(static_cast<double>(s.d));
+        o.path = path;
+        const at::Tensor got = PagedAttention(p.q, p.k, p.v, p.runs, o);
+        ASSERT_EQ(got.sizes(), p.q.sizes());
+        ASSERT_EQ(got.scalar_type(), dtype);
+        const at::Tensor want = PagedReference(p, o.scale);
+        double worst = 0;
+        for (int64_t r = 0; r < want.size(0); ++r) worst = std::max(worst, RelErr(got[r], want[r]));
+        EXPECT_LT(worst, PagedTolerance(dtype))
+            << AttentionPathName(path) << " " << at::toString(dtype) << " Hq " << s.hq << " D "
+            << s.d << " block " << s.block_size;
+        std::printf("  paged %s %s Hq %ld Hkv %ld D %ld block %ld: worst relative error %.1e\n",
+                    AttentionPathName(path), at::toString(dtype), static_cast<long>(s.hq),
+                    static_cast<long>(s.hkv), static_cast<long>(s.d),
+                    static_cast<long>(s.block_size), worst);
+      }
+    }
+  }
+}
+
+TEST(PagedAttentionTest, PathsAgree) {
+  if (!AttentionPathSupported(AttentionPath::kAvx512)) GTEST_SKIP() << "no AVX-512";
+  for (const PagedShape& s : kPagedShapes) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const PagedSetup p = MakePaged(s, dtype, kRuns, 23);
+      PagedAttentionOptions o;
+      o.scale = 1.0 / std::sqrt(static_cast<double>(s.d));
+      o.path = AttentionPath::kAvx512;
+      const at::Tensor a = PagedAttention(p.q, p.k, p.v, p.runs, o);
+      o.path = AttentionPath::kScalar;
+      const at::Tensor b = PagedAttention(p.q, p.k, p.v, p.runs, o);
+      double worst = 0;
+      for (int64_t r = 0; r < a.size(0); ++r) worst = std::max(worst, RelErr(a[r], b[r]));
+      EXPECT_LT(worst, PagedTolerance(dtype)) << at::toString(dtype) << " D " << s.d;
+    }
+  }
+}
+
+// A query's output is bit-identical whether its prompt runs as one run, as
+// single-token runs or beside other runs, with any query tile and 1 or 2
+// threads: it depends only on q and keys 0..p.
+TEST(PagedAttentionTest, QueryResultDoesNotDependOnRunsTilesOrThreads) {
+  for (AttentionPath path : {AttentionPath::kAvx512, AttentionPath::kScalar}) {
+    if (!AttentionPathSupported(path)) continue;
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const PagedShape s = {16, 8, 128, 16};
+      const PagedSetup p = MakePaged(s, dtype, {{0, 70}}, 29);
+      PagedAttentionOptions o;
+      o.scale = 1.0 / std::sqrt(128.0);
+      o.path = path;
+      const at::Tensor whole = PagedAttention(p.q, p.k, p.v, p.runs, o);
+      // Single-token runs, in reverse, with tile 1, 2 threads.
+      std::vector<PagedQueryRun> singles;
+      for (int64_t i = 69; i >= 0; --i) singles.push_back({i, 1, i, p.tables[0]});
+      at::set_num_threads(2);
+      o.query_tile = 1;
+      const at::Tensor single = PagedAttention(p.q, p.k, p.v, singles, o);
+      // Uneven runs (a chunked prompt) with tile 7.
+      std::vector<PagedQueryRun> chunks = {{0, 5, 0, p.tables[0]}, {5, 30, 5, p.tables[0]},
+                                           {35, 1, 35, p.tables[0]}, {36, 34, 36, p.tables[0]}};
+      o.query_tile = 7;
+      const at::Tensor chunked = PagedAttention(p.q, p.k, p.v, chunks, o);
+      at::set_num_threads(1);
+      EXPECT_TRUE(at::equal(single, whole)) << AttentionPathName(path) << " " << at::toString(dtype);
+      EXPECT_TRUE(at::equal(chunked, whole)) << AttentionPathName(path) << " " << at::toString(dtype);
+    }
+  }
+}
+
+TEST(PagedAttentionTest, PathNamesParseAndBadInputThrows) {
+  EXPECT_EQ(*ParseAttentionPath("scalar"), AttentionPath::kScalar);
+  EXPECT_EQ(*ParseAttentionPath("avx512"), AttentionPath::kAvx512);
+  EXPECT_TRUE(ParseAttentionPath("auto").ok());
+  EXPECT_FALSE(ParseAttentionPath("amx").ok());
+  EXPECT_TRUE(AttentionPathSupported(AttentionPath::kScalar));
+  const PagedSetup p = MakePaged({4, 2, 32, 4}, at::kFloat, {{0, 9}}, 31);
+  PagedAttentionOptions o;
+  std::vector<int32_t> table = p.tables[0];
+  std::vector<PagedQueryRun> runs = {{0, 9, 0, table}};
+  table[1] = static_cast<int32_t>(p.k.size(0));  // outside the cache
+  EXPECT_THROW(PagedAttention(p.q, p.k, p.v, runs, o), c10::Error);
+  runs = {{0, 9, 0, absl::MakeConstSpan(p.tables[0]).subspan(0, 2)}};  // table too short
+  EXPECT_THROW(PagedAttention(p.q, p.k, p.v, runs, o), c10::Error);
+  runs = {{5, 9, 0, p.tables[0]}};  // rows outside q
+  EXPECT_THROW(PagedAttention(p.q, p.k, p.v, runs, o), c10::Error);
+  EXPECT_THROW(PagedAttention(p.q, p.k.to(at::kBFloat16), p.v, {}, o), c10::Error);
 }
 
 }  // namespace

@@ -142,6 +142,44 @@ TEST_P(GemvPathTest, TwoThreadsSplitRowsOfSeveralMatrices) {
   for (size_t i = 0; i < ws.size(); ++i) EXPECT_LT(worst[i], 1e-5) << "matrix " << i;
 }
 
+// Batch invariance (the decoder's batched decode relies on it): a row's
+// result is bit-identical whatever rows share the call and wherever it sits
+// among them, for B = 1..12 (beyond the 8 a call is meant for), on a
+// 2B-shaped weight, 1 and 2 threads, f32 and bf16 outputs.
+TEST_P(GemvPathTest, RowResultsDoNotDependOnTheOtherRows) {
+  const int64_t in = 2048, out = GetParam() == GemvPath::kScalar ? 512 : 6144;
+  const at::Tensor w = (at::randn({out, in}) * 0.05).to(at::kBFloat16);
+  const at::Tensor x = at::randn({12, in}).to(at::kBFloat16);
+  for (int threads : {1, 2}) {
+    at::set_num_threads(threads);
+    for (at::ScalarType yt : {at::kFloat, at::kBFloat16}) {
+      // Each row alone.
+      at::Tensor alone = Poisoned({12, out}, yt);
+      for (int64_t r = 0; r < 12; ++r) {
+        at::Tensor y = alone.narrow(0, r, 1);
+        ASSERT_TRUE(Gemv(x.narrow(0, r, 1), w, &y, options_).ok());
+      }
+      for (int64_t batch = 1; batch <= 12; ++batch) {
+        for (int64_t first : {int64_t{0}, 12 - batch}) {
+          at::Tensor y = Poisoned({batch, out}, yt);
+          ASSERT_TRUE(Gemv(x.narrow(0, first, batch), w, &y, options_).ok());
+          EXPECT_TRUE(at::equal(y, alone.narrow(0, first, batch)))
+              << "B=" << batch << " rows from " << first << " threads " << threads << " y "
+              << at::toString(yt);
+        }
+      }
+      // GemvMulti: the same rows through two weights in one pass.
+      const at::Tensor w2 = w.narrow(0, 0, 100);
+      at::Tensor y1 = Poisoned({5, out}, yt), y2 = Poisoned({5, 100}, yt);
+      std::vector<at::Tensor*> ys = {&y1, &y2};
+      ASSERT_TRUE(GemvMulti(x.narrow(0, 3, 5), {w, w2}, ys, options_).ok());
+      EXPECT_TRUE(at::equal(y1, alone.narrow(0, 3, 5)));
+      EXPECT_TRUE(at::equal(y2, alone.narrow(0, 3, 5).narrow(1, 0, 100)));
+    }
+  }
+  at::set_num_threads(1);
+}
+
 TEST_P(GemvPathTest, ConcurrentCallersEachGetTheirOwnResult) {
   // Two threads share the worker pool: one call runs on it, the other alone.
   at::set_num_threads(2);
