@@ -160,6 +160,7 @@ struct Engine::State {
   std::vector<std::unique_ptr<Request>> active;
   int64_t preemptions = 0;
   int64_t iterations = 0;
+  int max_batch_sequences = 0;
 };
 
 Engine::Engine(ModelRunner* runner, const Tokenizer* tokenizer, const ModelConfig& config,
@@ -278,6 +279,7 @@ void Engine::ReadPool() {
   stats_.blocks_free = pool.num_free();
   stats_.preemptions = state_->preemptions;
   stats_.iterations = state_->iterations;
+  stats_.max_batch_sequences = state_->max_batch_sequences;
 }
 
 void Engine::Publish() {
@@ -519,6 +521,8 @@ void Engine::Iterate() {
     metrics_->batch_tokens->Observe(static_cast<double>(out.prefill_tokens + out.decode_tokens));
     metrics_->batch_sequences->Observe(static_cast<double>(ran.chunks.size()));
     ++st.iterations;
+    st.max_batch_sequences =
+        std::max(st.max_batch_sequences, static_cast<int>(ran.chunks.size()));
   }
   sweep();
   {

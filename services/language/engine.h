@@ -93,6 +93,7 @@ struct EngineStats {
   int64_t blocks_total = 0, blocks_used = 0, blocks_cached = 0, blocks_free = 0;
   int64_t preemptions = 0;
   int64_t iterations = 0;
+  int max_batch_sequences = 0;  // most sequences one forward pass has served
 };
 
 class Engine {
