@@ -1,5 +1,10 @@
-// The generation loop: prompt -> projector -> prefill -> (sample -> stream ->
-// decode step)* -> finish reason (architecture.md, "Data flow", step 5).
+// The generation loop of one request: prompt -> projector -> prefill ->
+// (sample -> stream -> decode step)* -> finish reason (architecture.md, "Data
+// flow", step 5), and GenerationState, its per-sequence part after the model.
+//
+// The service runs requests through the batching Engine (engine.h), which
+// shares GenerationState; Generator is the plain one-request path over a
+// contiguous KV cache, the reference the engine is tested against.
 //
 // Each sampled token is detokenized incrementally (UTF-8 safe), passed through
 // the stop-string matcher (text that may still become a stop string is held
