@@ -3,8 +3,16 @@
 // ratio to the memory-bandwidth bound (weight bytes read per token / read
 // bandwidth measured in the same run). Prints a table of medians.
 //
-//   vlm-bench-decoder --checkpoint /work/cache/ckpt-2b --threads 2
+// Then the batched forward (Decoder::Forward over a paged KV cache): decode
+// tokens/s for B sequences per pass (aggregate and per sequence, speedup over
+// B = 1, the bandwidth bound B·bandwidth / weight bytes), a prompt prefilled
+// through Prefill and through Forward, and one layer's attention through the
+// old kernels (nn::AttentionHeadMajor, DecodeAttention) and PagedAttention.
+//
+//   vlm-bench-decoder --checkpoint ~/.cache/vlm/checkpoints/2b --threads 2
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,11 +27,16 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "common/nn.h"
+#include "services/language/decode_attention.h"
 #include "services/language/decoder.h"
 #include "services/language/gemv.h"
+#include "services/language/paged_attention.h"
 #include "services/language/projector.h"
 
 ABSL_FLAG(std::string, checkpoint, "", "model directory");
@@ -36,6 +49,12 @@ ABSL_FLAG(int, prefetch_layers, 1, "layers prefetched ahead");
 ABSL_FLAG(bool, eager, false, "materialize every layer at load");
 ABSL_FLAG(bool, gemv, true, "decode projections through vlm::Gemv");
 ABSL_FLAG(int64_t, chunk, 512, "prefill chunk tokens");
+ABSL_FLAG(bool, single, true, "run the single-sequence Prefill/DecodeStep table");
+ABSL_FLAG(std::string, batches, "1,2,4,8", "batched forward: sequences per decode pass");
+ABSL_FLAG(int, context, 256, "batched forward: tokens in each sequence's KV before decoding");
+ABSL_FLAG(int, forward_steps, 8, "batched forward: decode passes per batch size");
+ABSL_FLAG(int, forward_prefill, 512, "prompt tokens for Prefill vs Forward (0: skip)");
+ABSL_FLAG(int64_t, block_size, 16, "paged KV block size (tokens)");
 
 namespace {
 
@@ -48,9 +67,220 @@ double RssMb() {
   return m.ok() ? m->resident_bytes / 1048576.0 : -1;
 }
 
+std::string CpuModelName() {
+  std::FILE* f = std::fopen("/proc/cpuinfo", "r");
+  if (f == nullptr) return "?";
+  char line[512];
+  std::string name = "?";
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    std::string l(line);
+    if (l.rfind("model name", 0) == 0) {
+      name = l.substr(l.find(':') + 2);
+      if (!name.empty() && name.back() == '\n') name.pop_back();
+      break;
+    }
+  }
+  std::fclose(f);
+  return name;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
+}
+
+double Seconds(const std::function<void()>& f) {
+  const double t = Now();
+  f();
+  return Now() - t;
+}
+
+// Decoder::Forward: batched decode, prefill, attention. `bw`: read bandwidth
+// (bytes/s) measured in this run.
+int RunForward(const vlm::language::Decoder& d, double bw) {
+  using namespace vlm;
+  using namespace vlm::language;
+  std::vector<int> batches;
+  for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
+    int v = 0;
+    if (absl::SimpleAtoi(b, &v) && v > 0) batches.push_back(v);
+  }
+  const int context = absl::GetFlag(FLAGS_context), steps = absl::GetFlag(FLAGS_forward_steps);
+  const int64_t bs = absl::GetFlag(FLAGS_block_size);
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const int64_t per_seq = (context + steps + bs) / bs;  // blocks per sequence
+  const int prefill_n = absl::GetFlag(FLAGS_forward_prefill);
+  const int64_t blocks = std::max<int64_t>(per_seq * max_batch, (prefill_n + bs) / bs);
+  auto kv = d.NewKvStorage(blocks, bs);
+  if (!kv.ok()) {
+    std::fprintf(stderr, "%s\n", kv.status().ToString().c_str());
+    return 1;
+  }
+  std::mt19937 rng(2);
+  auto text_positions = [](int64_t start, int64_t n) {
+    return at::arange(start, start + n, at::TensorOptions().dtype(at::kLong))
+        .unsqueeze(0)
+        .expand({3, n})
+        .contiguous();
+  };
+  const double weight_bytes = static_cast<double>(d.decode_weight_bytes());
+  std::printf("\n### Batched decode through Decoder::Forward (context %d per sequence, "
+              "median of %d passes)\n\n",
+              context, steps);
+  std::printf("| B | pass ms | aggregate tok/s | per-sequence tok/s | speedup vs B=1 | bound "
+              "tok/s (B·bw/bytes) | of bound |\n|---|---|---|---|---|---|---|\n");
+  double base = 0;
+  {
+    // The single-sequence path (Prefill + DecodeStep) at the same context.
+    std::vector<int32_t> ids(context + steps);
+    for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
+    auto seq = d.NewSequence(context + steps + 1);
+    PrefillInput in;
+    in.token_ids = absl::MakeConstSpan(ids).subspan(0, context);
+    if (!seq.ok() || !d.Prefill(**seq, in).ok()) return 1;
+    std::vector<double> times;
+    for (int s = 0; s < steps; ++s) {
+      bool ok = true;
+      times.push_back(Seconds([&] { ok = d.DecodeStep(**seq, ids[context + s]).ok(); }));
+      if (!ok) return 1;
+    }
+    const double step = Median(times);
+    std::printf("| 1 (DecodeStep, old path) | %.1f | %.2f | %.2f | | %.2f | %.0f%% |\n",
+                step * 1e3, 1 / step, 1 / step, bw / weight_bytes,
+                100.0 / step / (bw / weight_bytes));
+  }
+  for (int b : batches) {
+    std::vector<std::vector<int32_t>> ids(b), tables(b);
+    std::vector<at::Tensor> positions(b);
+    for (int i = 0; i < b; ++i) {
+      ids[i].resize(context + steps);
+      for (int32_t& id : ids[i]) id = static_cast<int32_t>(rng() % 150000);
+      for (int64_t k = 0; k < per_seq; ++k) tables[i].push_back(static_cast<int32_t>(i * per_seq + k));
+      positions[i] = text_positions(0, context + steps);
+    }
+    // Prefill every sequence's context (one pass per sequence; not timed).
+    for (int i = 0; i < b; ++i) {
+      SequenceChunk c;
+      c.token_ids = absl::MakeConstSpan(ids[i]).subspan(0, context);
+      c.block_table = tables[i];
+      c.positions = positions[i].narrow(1, 0, context);
+      auto r = d.Forward(*kv, {c});
+      if (!r.ok()) {
+        std::fprintf(stderr, "prefill: %s\n", r.status().ToString().c_str());
+        return 1;
+      }
+    }
+    std::vector<double> times;
+    for (int s = 0; s < steps; ++s) {
+      std::vector<SequenceChunk> chunks(b);
+      for (int i = 0; i < b; ++i) {
+        SequenceChunk& c = chunks[i];
+        c.token_ids = absl::MakeConstSpan(ids[i]).subspan(context + s, 1);
+        c.start = context + s;
+        c.block_table = tables[i];
+        c.positions = positions[i].narrow(1, context + s, 1).contiguous();
+        c.decode = true;
+        c.logits = true;
+      }
+      absl::StatusOr<at::Tensor> r;
+      times.push_back(Seconds([&] { r = d.Forward(*kv, chunks); }));
+      if (!r.ok()) {
+        std::fprintf(stderr, "decode: %s\n", r.status().ToString().c_str());
+        return 1;
+      }
+    }
+    const double pass = Median(times);
+    const double agg = b / pass;
+    if (base == 0) base = agg;
+    const double bound = b * bw / weight_bytes;
+    std::printf("| %d | %.1f | %.2f | %.2f | %.2fx | %.2f | %.0f%% |\n", b, pass * 1e3, agg,
+                1.0 / pass, agg / base, bound, 100.0 * agg / bound);
+  }
+  std::printf("\nweight bytes per pass %.1f MB, read bandwidth %.1f GB/s\n", weight_bytes / 1048576.0,
+              bw / 1e9);
+
+  if (prefill_n > 0) {
+    std::vector<int32_t> ids(prefill_n);
+    for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
+    std::vector<int32_t> table;
+    for (int64_t k = 0; k < (prefill_n + bs - 1) / bs; ++k) table.push_back(static_cast<int32_t>(k));
+    const at::Tensor pos = text_positions(0, prefill_n);
+    auto seq = d.NewSequence(prefill_n + 1);
+    if (!seq.ok()) return 1;
+    std::vector<double> old_t, new_t;
+    for (int rep = 0; rep < 3; ++rep) {
+      (*seq)->Reset();
+      PrefillInput in;
+      in.token_ids = ids;
+      bool ok = true;
+      old_t.push_back(Seconds([&] { ok = d.Prefill(**seq, in).ok(); }));
+      SequenceChunk c;
+      c.token_ids = ids;
+      c.block_table = table;
+      c.positions = pos;
+      c.logits = true;
+      new_t.push_back(Seconds([&] { ok = ok && d.Forward(*kv, {c}).ok(); }));
+      if (!ok) return 1;
+    }
+    const double o = Median(old_t), n = Median(new_t);
+    std::printf("\n### Prefill of %d tokens (median of 3)\n\n| path | s | tok/s |\n|---|---|---|\n",
+                prefill_n);
+    std::printf("| Prefill (chunk %ld) | %.3f | %.1f |\n", static_cast<long>(absl::GetFlag(FLAGS_chunk)), o,
+                prefill_n / o);
+    std::printf("| Forward (one chunk) | %.3f | %.1f |\n| Forward / Prefill | %.2fx | |\n", n,
+                prefill_n / n, n / o);
+
+    // One layer's attention, 2B shapes from the config, compute dtype.
+    const TextConfig& tc = d.config().text;
+    const int64_t hq = tc.num_attention_heads, hkv = tc.num_key_value_heads, hd = tc.head_dim;
+    const at::ScalarType dt =
+        d.compute_dtype() == ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    const int64_t nb = (prefill_n + bs - 1) / bs;
+    const at::Tensor kc = at::randn({nb, hkv, bs, hd}).to(dt), vc = at::randn({nb, hkv, bs, hd}).to(dt);
+    const at::Tensor q = at::randn({prefill_n, hq, hd}).to(dt);
+    // Head-major views of the same keys for the old kernels: [Hkv, S, D].
+    const at::Tensor kh = kc.transpose(0, 1).reshape({hkv, nb * bs, hd}).narrow(1, 0, prefill_n).contiguous();
+    const at::Tensor vh = vc.transpose(0, 1).reshape({hkv, nb * bs, hd}).narrow(1, 0, prefill_n).contiguous();
+    const at::Tensor qh = q.transpose(0, 1).contiguous();
+    nn::AttentionOptions ao;
+    ao.scale = scale;
+    ao.causal = true;
+    ao.query_tile = 512;
+    std::vector<PagedQueryRun> runs = {{0, prefill_n, 0, table}};
+    PagedAttentionOptions po;
+    po.scale = scale;
+    std::vector<double> t_old, t_new, t_old_dec, t_new_dec, t_scalar;
+    const int64_t dec_len = std::min<int64_t>(context, prefill_n);
+    std::vector<PagedQueryRun> dec_runs = {{0, 1, dec_len - 1, table}};
+    const at::Tensor q1 = q.narrow(0, 0, 1).contiguous();
+    for (int rep = 0; rep < 5; ++rep) {
+      t_old.push_back(Seconds([&] { nn::AttentionHeadMajor(qh, kh, vh, ao); }));
+      t_new.push_back(Seconds([&] { PagedAttention(q, kc, vc, runs, po); }));
+      PagedAttentionOptions scalar = po;
+      scalar.path = AttentionPath::kScalar;
+      if (rep < 2) t_scalar.push_back(Seconds([&] { PagedAttention(q, kc, vc, runs, scalar); }));
+      t_old_dec.push_back(Seconds([&] {
+        for (int i = 0; i < 100; ++i) DecodeAttention(q1.view({hq, hd}), kh, vh, dec_len, scale);
+      }) / 100);
+      t_new_dec.push_back(Seconds([&] {
+        for (int i = 0; i < 100; ++i) PagedAttention(q1, kc, vc, dec_runs, po);
+      }) / 100);
+    }
+    std::printf("\n### Attention of one layer (%ld query heads, %ld KV heads, head_dim %ld, %s; "
+                "median of 5)\n\n| case | old | new (PagedAttention %s) | new / old |\n"
+                "|---|---|---|---|\n",
+                static_cast<long>(hq), static_cast<long>(hkv), static_cast<long>(hd),
+                c10::toString(dt), AttentionPathName(DefaultAttentionPath()));
+    std::printf("| prefill %d causal (old: nn::AttentionHeadMajor) | %.2f ms | %.2f ms | %.2fx |\n",
+                prefill_n, Median(t_old) * 1e3, Median(t_new) * 1e3, Median(t_new) / Median(t_old));
+    std::printf("| prefill %d, scalar path | | %.2f ms | %.2fx |\n", prefill_n,
+                Median(t_scalar) * 1e3, Median(t_scalar) / Median(t_old));
+    std::printf("| decode, 1 query over %ld keys (old: DecodeAttention) | %.1f us | %.1f us | %.2fx |\n",
+                static_cast<long>(dec_len), Median(t_old_dec) * 1e6, Median(t_new_dec) * 1e6,
+                Median(t_new_dec) / Median(t_old_dec));
+  }
+  return 0;
 }
 
 int Run() {
@@ -102,6 +332,17 @@ int Run() {
   auto seq = d.NewSequence(n_prompt + n_decode + 1);
   if (!seq.ok()) return 1;
 
+  if (!absl::GetFlag(FLAGS_single)) {
+    std::vector<uint8_t> buffer(size_t{1} << 30, 1);
+    MeasureReadBandwidth(buffer.data(), buffer.size(), absl::GetFlag(FLAGS_threads));
+    std::vector<double> bws;
+    for (int i = 0; i < 3; ++i) {
+      bws.push_back(MeasureReadBandwidth(buffer.data(), buffer.size(), absl::GetFlag(FLAGS_threads)));
+    }
+    std::printf("CPU: %s\n", CpuModelName().c_str());
+    const int rc = RunForward(d, *std::max_element(bws.begin(), bws.end()));
+    return rc;
+  }
   // First request: prefill (cold layers) + decode.
   PrefillInput in;
   in.token_ids = ids;
@@ -159,12 +400,14 @@ int Run() {
   std::printf("| RSS after first request | %.0f MB |\n", rss_after);
   std::printf("| layers resident / materializations | %d / %ld |\n", d.layers().resident_layers(),
               static_cast<long>(d.layers().materializations()));
-  return 0;
+  std::printf("CPU: %s\n", CpuModelName().c_str());
+  return RunForward(d, bw);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as they are measured
   return Run();
 }

@@ -592,7 +592,9 @@ absl::Status Decoder::ValidateChunks(const KvStorage& kv,
         return absl::InvalidArgumentError(absl::StrCat(
             name, "token_ids[", t, "] is <|video_pad|>: video input is not supported"));
       }
-      pads += id == image_pad;
+      // A decode token is embedded as is, as DecodeStep does (a generated
+      // image pad takes no image row).
+      pads += id == image_pad && !ch.decode;
     }
     const int64_t needed = (ch.start + n + bs - 1) / bs;
     if (static_cast<int64_t>(ch.block_table.size()) < needed) {
@@ -723,7 +725,7 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
         b.ids.push_back(ch.token_ids[t]);
         b.cache_index.push_back(ch.start + t);
         b.table.push_back(ch.block_table.data());
-        if (ch.token_ids[t] == config_.image_token_id) {
+        if (ch.token_ids[t] == config_.image_token_id && !ch.decode) {
           image_rows.push_back(row0 + t);
           ++pads;
         }

@@ -136,7 +136,9 @@ struct SequenceChunk {
   at::Tensor image_embeds;
   std::vector<at::Tensor> deepstack;
   // true: one generated token (n == 1); it takes the decode path (Gemv
-  // projections in bf16). false: prompt rows (prefill path).
+  // projections in bf16) and is embedded as is (an image-pad id the model
+  // generated takes no image row, as in DecodeStep). false: prompt rows
+  // (prefill path).
   bool decode = false;
   bool logits = false;  // return float32 logits of the chunk's last token
 };
@@ -155,6 +157,21 @@ struct SequenceChunk {
 // - INVALID_ARGUMENT (naming the chunk and field) for bad ids, shapes,
 //   positions or block tables; on error nothing is guaranteed about the
 //   blocks the pass would have written (the caller drops those sequences).
+//   Validation runs before anything is written: a rejected pass leaves the
+//   storage untouched. Also rejected: a block written by two chunks of the
+//   pass, a KV storage of another geometry or dtype.
+// How (decoder.cc, row_ops.h, paged_attention.h): prefill rows of all chunks
+// share one at::linear per weight (RowLinear: padded so OpenBLAS/oneDNN stay
+// on row-invariant kernels); decode rows go through Gemv in bf16 with
+// use_gemv (else RowLinear too); norms, rotary, SwiGLU and residual adds are
+// per-row loops; attention is PagedAttention (keys block by block from 0,
+// online f32 softmax). So in f32 (and bf16 without Gemv) a token's K/V and
+// logits are also the same whether it ran as a decode row or a prefill row;
+// in bf16 with Gemv the two kinds differ by bf16 rounding, so blocks written
+// by decode rows and reused as a prefix match a cold prefill of the same
+// tokens only to that rounding.
+// Positions: [3, n] int64 (int32 accepted). Any block_size >= 1 works;
+// kv_bytes_per_token() x block_size is one block's size over all layers.
 
 class Decoder {
  public:
@@ -186,8 +203,9 @@ class Decoder {
   // OUT_OF_RANGE when the sequence is full.
   absl::StatusOr<at::Tensor> DecodeStep(Sequence& seq, int32_t token_id) const;
 
-  // Paged KV storage for `num_blocks` blocks of `block_size` tokens
-  // (RESOURCE_EXHAUSTED when it cannot be allocated).
+  // Paged KV storage for `num_blocks` blocks of `block_size` tokens, zero
+  // filled (the memory is committed now). INVALID_ARGUMENT for sizes < 1,
+  // RESOURCE_EXHAUSTED when it cannot be allocated.
   absl::StatusOr<KvStorage> NewKvStorage(int64_t num_blocks, int64_t block_size) const;
   // KV bytes one token occupies (all layers, K and V), for sizing a budget.
   uint64_t kv_bytes_per_token() const;

@@ -173,6 +173,46 @@ VLM_AVX512 inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, fx));
 }
 
+// kt[c, t] = float(k[t, c]) for t < nk, 0 for nk <= t < ldk (ldk % 16 == 0):
+// 16 keys per gather. bf16: one 32-bit gather fetches the pair (c, c+1) of
+// 16 keys (d is even).
+VLM_AVX512 inline void TransposeKeys(const Bf16* k, int64_t nk, int64_t d, int64_t ldk, float* kt) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t0 = 0; t0 < ldk; t0 += 16) {
+    const __mmask16 m = nk - t0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                        : nk > t0  ? static_cast<__mmask16>((1u << (nk - t0)) - 1u)
+                                   : static_cast<__mmask16>(0);
+    // Byte offsets of keys t0.. (row stride d bf16).
+    const __m512i rows = _mm512_mullo_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t0))),
+                                            _mm512_set1_epi32(static_cast<int>(2 * d)));
+    for (int64_t c = 0; c < d; c += 2) {
+      const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
+                                                    _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(2 * c))),
+                                                    k, 1);
+      _mm512_storeu_ps(kt + c * ldk + t0, _mm512_castsi512_ps(_mm512_slli_epi32(g, 16)));
+      _mm512_storeu_ps(kt + (c + 1) * ldk + t0, _mm512_castsi512_ps(_mm512_and_si512(g, high)));
+    }
+  }
+}
+
+VLM_AVX512 inline void TransposeKeys(const float* k, int64_t nk, int64_t d, int64_t ldk, float* kt) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t t0 = 0; t0 < ldk; t0 += 16) {
+    const __mmask16 m = nk - t0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                        : nk > t0  ? static_cast<__mmask16>((1u << (nk - t0)) - 1u)
+                                   : static_cast<__mmask16>(0);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t0))),
+                                            _mm512_set1_epi32(static_cast<int>(4 * d)));
+    for (int64_t c = 0; c < d; ++c) {
+      const __m512 g = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
+                                                _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(4 * c))),
+                                                k, 1);
+      _mm512_storeu_ps(kt + c * ldk + t0, g);
+    }
+  }
+}
+
 template <typename T>
 VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const T* kc,
                            const T* vc, Scratch& w, T* out) {
@@ -189,13 +229,7 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
     const int64_t nk = std::min(bs, last + 1 - b * bs);
     const int64_t base = (static_cast<int64_t>(it.run->block_table[b]) * g.hkv + it.kv_head) * bs * d;
     // Keys transposed to [D, ldk] (zero padding), values to f32 [nk, D].
-    for (int64_t t = 0; t < nk; ++t) {
-      const T* k = kc + base + t * d;
-      for (int64_t c = 0; c < d; ++c) w.kt[c * ldk + t] = ToF(k[c]);
-    }
-    for (int64_t t = nk; t < ldk; ++t) {
-      for (int64_t c = 0; c < d; ++c) w.kt[c * ldk + t] = 0.0f;
-    }
+    TransposeKeys(kc + base, nk, d, ldk, w.kt.data());
     for (int64_t t = 0; t < nk; ++t) {
       for (int64_t c = 0; c < nv; ++c) {
         _mm512_storeu_ps(w.vf.data() + t * d + 16 * c, Load16(vc + base + t * d + 16 * c));
@@ -223,6 +257,21 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
         _mm512_storeu_ps(s + ldk, s1);
         _mm512_storeu_ps(s + 2 * ldk, s2);
         _mm512_storeu_ps(s + 3 * ldk, s3);
+      }
+    }
+    for (; v0 + 2 <= nq; v0 += 2) {
+      const float* q0 = w.q.data() + v0 * d;
+      for (int64_t j = 0; j < kgroups; ++j) {
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+        const float* kt = w.kt.data() + 16 * j;
+        for (int64_t c = 0; c < d; ++c) {
+          const __m512 k = _mm512_loadu_ps(kt + c * ldk);
+          s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[c]), k, s0);
+          s1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d + c]), k, s1);
+        }
+        float* s = w.s.data() + v0 * ldk + 16 * j;
+        _mm512_storeu_ps(s, s0);
+        _mm512_storeu_ps(s + ldk, s1);
       }
     }
     for (; v0 < nq; ++v0) {
@@ -260,14 +309,16 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
         for (int64_t t0 = 0; t0 < valid; t0 += 16) {
           const int64_t n = std::min<int64_t>(16, valid - t0);
           _mm512_store_ps(e, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
-          for (int64_t t = 0; t < n; ++t) {
-            w.l[v] += e[t];
-            const __m512 ev = _mm512_set1_ps(e[t]);
-            const float* vr = w.vf.data() + (t0 + t) * d;
-            for (int64_t c = 0; c < nv; ++c) {
-              _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(ev, _mm512_loadu_ps(vr + 16 * c),
-                                                             _mm512_loadu_ps(acc + 16 * c)));
+          for (int64_t t = 0; t < n; ++t) w.l[v] += e[t];
+          // acc[c] += e[t]·v[t, c] for t in order (the order per element is
+          // the same as a t-outer loop; the sum stays in a register).
+          const float* vr = w.vf.data() + t0 * d;
+          for (int64_t c = 0; c < nv; ++c) {
+            __m512 a = _mm512_loadu_ps(acc + 16 * c);
+            for (int64_t t = 0; t < n; ++t) {
+              a = _mm512_fmadd_ps(_mm512_set1_ps(e[t]), _mm512_loadu_ps(vr + t * d + 16 * c), a);
             }
+            _mm512_storeu_ps(acc + 16 * c, a);
           }
         }
       }

@@ -4,6 +4,7 @@
 #include "services/language/decode_attention.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 #include <vector>
 
@@ -246,6 +247,16 @@ TEST(PagedAttentionTest, QueryResultDoesNotDependOnRunsTilesOrThreads) {
       EXPECT_TRUE(at::equal(single, whole)) << AttentionPathName(path) << " " << at::toString(dtype);
       EXPECT_TRUE(at::equal(chunked, whole)) << AttentionPathName(path) << " " << at::toString(dtype);
     }
+  }
+}
+
+// VLM_ATTENTION_PATH forces the default (ctest runs this once with "scalar").
+TEST(PagedAttentionTest, EnvironmentForcesDefaultPath) {
+  const char* env = std::getenv("VLM_ATTENTION_PATH");
+  if (env == nullptr || *env == '\0') {
+    EXPECT_EQ(DefaultAttentionPath(), *ParseAttentionPath("auto"));
+  } else {
+    EXPECT_EQ(DefaultAttentionPath(), *ParseAttentionPath(env));
   }
 }
 

@@ -380,6 +380,30 @@ TEST(DecoderForwardBf16Test, TopOneMatchesReferenceWhereMarginIsClear) {
   EXPECT_GT(checked_total, 30);
 }
 
+// In f32 a decode row and a one-token prefill row take the same kernels, so a
+// block written while generating equals one a later prompt would prefill.
+TEST(DecoderForwardF32Test, DecodeRowEqualsOneTokenPrefillRow) {
+  Model m = Load(ComputeDType::kFloat32);
+  ASSERT_NE(m.decoder, nullptr);
+  Case c = ReadCase("one_image");
+  const int64_t s_len = static_cast<int64_t>(c.ids.size());
+  std::vector<at::Tensor> logits;
+  std::vector<std::vector<at::Tensor>> kvs;
+  for (bool decode : {true, false}) {
+    KvStorage kv = NewKv(m, 8);
+    Blocks blocks;
+    Seq s = MakeSeq(m, c, c.Full());
+    blocks.Reserve(s, static_cast<int64_t>(s.ids.size()), 8);
+    Pass(m, kv, {Chunk(s, 0, s_len, false)});
+    std::vector<at::Tensor> rows;
+    for (int64_t p = s_len; p < s_len + 6; ++p) rows.push_back(Pass(m, kv, {Chunk(s, p, 1, decode)}));
+    logits.push_back(at::cat(rows, 0));
+    kvs.push_back(SeqKv(kv, s, s_len + 6));
+  }
+  EXPECT_TRUE(at::equal(logits[0], logits[1]));
+  EXPECT_TRUE(SameKv(kvs[0], kvs[1]));
+}
+
 // --- invariance ------------------------------------------------------------------
 
 const ComputeDType kDtypes[] = {ComputeDType::kFloat32, ComputeDType::kBFloat16};
@@ -651,6 +675,19 @@ TEST(RowLinearTest, RowResultsDoNotDependOnRowCount) {
       }
     }
   }
+  // The 2B's other projection shapes in bf16 (o_proj/q_proj, k/v_proj,
+  // down_proj), 2 threads: M = 1..24, then every 11th.
+  at::set_num_threads(2);
+  const Shape others[] = {{2048, 2048}, {2048, 1024}, {6144, 2048}};
+  for (const Shape& sh : others) {
+    const at::Tensor x = at::randn({300, sh.in}).to(at::kBFloat16);
+    const at::Tensor w = (at::randn({sh.out, sh.in}) * 0.05).to(at::kBFloat16);
+    const at::Tensor all = RowLinear(x, w);
+    for (int64_t rows = 1; rows <= 300; rows += rows >= 24 ? 11 : 1) {
+      EXPECT_TRUE(at::equal(RowLinear(x.narrow(0, 0, rows), w), all.narrow(0, 0, rows)))
+          << "bf16 [" << sh.out << ", " << sh.in << "] M = " << rows;
+    }
+  }
   at::set_num_threads(1);
 }
 
@@ -745,6 +782,15 @@ TEST(DecoderForwardTest, RejectsBadChunksNamingChunkAndField) {
   auto ok = m.decoder->Forward(kv, {whole});
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_LE(RowError((*ok)[0], c.logits[n - 1]), kF32Tolerance);
+  // A generated image-pad token is a plain decode token (no image row).
+  Seq g;
+  g.ids = {1, 2, static_cast<int32_t>(m.config.image_token_id)};
+  g.positions = at::arange(3, at::TensorOptions().dtype(at::kLong)).unsqueeze(0).repeat({3, 1});
+  g.pad_before = {0, 0, 0, 0};
+  blocks.Reserve(g, 3, 8);
+  ASSERT_TRUE(m.decoder->Forward(kv, {Chunk(g, 0, 2, false)}).ok());
+  auto generated = m.decoder->Forward(kv, {Chunk(g, 2, 1, true)});
+  EXPECT_TRUE(generated.ok()) << generated.status();
   // No chunk: nothing to do.
   auto none = m.decoder->Forward(kv, {});
   ASSERT_TRUE(none.ok());
