@@ -6,7 +6,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "services/language/stop_strings.h"
 
 namespace vlm::language {
 namespace {
@@ -132,13 +131,19 @@ absl::StatusOr<at::Tensor> DecoderModel::DecodeStep(Sequence& sequence, int32_t 
 }
 
 // ---------------------------------------------------------------------------
-// Generator
+// GenerationState
 // ---------------------------------------------------------------------------
 
-Generator::Generator(GenerationModel* model, const Tokenizer* tokenizer, GeneratorConfig config)
-    : model_(model), tokenizer_(tokenizer), config_(std::move(config)) {}
+GenerationState::GenerationState(const GenerationRequest& request, const Tokenizer* tokenizer,
+                                 const GeneratorConfig& config)
+    : request_(request), tokenizer_(tokenizer), config_(config),
+      sampler_(request.sampling, tokenizer->vocab_size(), request.prompt_ids),
+      detokenizer_(tokenizer, !request.include_special_tokens), stops_(request.stop) {
+  result_.prompt_tokens = static_cast<int64_t>(request.prompt_ids.size());
+  result_.seed = sampler_.seed();
+}
 
-TopLogprobEntry Generator::Entry(int32_t id, float logprob) const {
+TopLogprobEntry GenerationState::Entry(int32_t id, float logprob) const {
   TopLogprobEntry entry;
   entry.id = id;
   entry.logprob = logprob;
@@ -148,6 +153,68 @@ TopLogprobEntry Generator::Entry(int32_t id, float logprob) const {
   }
   return entry;
 }
+
+absl::StatusOr<GenerationState::Step> GenerationState::Next(absl::Span<const float> logits) {
+  const bool want_logprobs = request_.logprobs || request_.top_logprobs > 0;
+  const int32_t id = sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs);
+  sampler_.Accept(id);
+  last_token_ = id;
+  ++result_.completion_tokens;
+
+  Step step;
+  GenerationChunk& chunk = step.chunk;
+  chunk.token_ids.push_back(id);
+  if (want_logprobs) {
+    GeneratedTokenLogprob entry;
+    entry.chosen = Entry(id, lp_.logprob);
+    for (const auto& [alt, alt_lp] : lp_.top) entry.top.push_back(Entry(alt, alt_lp));
+    chunk.logprobs.push_back(std::move(entry));
+  }
+  if (!request_.ignore_eos &&
+      std::find(config_.eos_ids.begin(), config_.eos_ids.end(), id) != config_.eos_ids.end()) {
+    // The EOS token ends the text; its own text is never part of it.
+    result_.finish = FinishReason::kStop;
+    result_.finish_detail = "eos";
+    step.finished = true;
+  } else {
+    absl::StatusOr<std::string> delta = detokenizer_.Push(id);
+    if (!delta.ok()) return delta.status();
+    StopStringMatcher::Step s = stops_.Push(*delta);
+    chunk.text = std::move(s.text);
+    if (s.stopped) {
+      result_.finish = FinishReason::kStop;
+      result_.finish_detail = absl::StrCat("stop string ", s.stop_index);
+      stopped_by_string_ = step.finished = true;
+    }
+  }
+  if (!step.finished && result_.completion_tokens >= request_.max_tokens) {
+    result_.finish = FinishReason::kLength;
+    result_.finish_detail = "max_tokens";
+    step.finished = true;
+  }
+  return step;
+}
+
+void GenerationState::Finish() {
+  if (stopped_by_string_) return;
+  // Bytes of an unfinished character become U+FFFD; that tail can still
+  // complete a stop string.
+  StopStringMatcher::Step step = stops_.Push(detokenizer_.Finish());
+  result_.tail_text = std::move(step.text);
+  if (step.stopped) {
+    result_.finish = FinishReason::kStop;
+    result_.finish_detail = absl::StrCat("stop string ", step.stop_index);
+  } else {
+    result_.tail_text += stops_.Flush();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Generator
+// ---------------------------------------------------------------------------
+
+Generator::Generator(GenerationModel* model, const Tokenizer* tokenizer, GeneratorConfig config)
+    : model_(model), tokenizer_(tokenizer), config_(std::move(config)) {}
 
 absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& request,
                                                      const ChunkSink& sink,
@@ -184,15 +251,9 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& re
   if (!logits.ok()) return logits.status();
   result.prefill_ms = MillisSince(t);
 
-  Sampler sampler(request.sampling, tokenizer_->vocab_size(), request.prompt_ids);
-  result.seed = sampler.seed();
-  StreamingDetokenizer detokenizer(tokenizer_, !request.include_special_tokens);
-  StopStringMatcher stops(request.stop);
-  const bool want_logprobs = request.logprobs || request.top_logprobs > 0;
+  GenerationState state(request, tokenizer_, config_);
+  result.seed = state.result().seed;
   const Clock::time_point decode_start = Clock::now();
-  TokenLogprobs lp;
-  bool stopped_by_string = false;
-
   while (true) {
     at::Tensor row;
     try {
@@ -200,68 +261,26 @@ absl::StatusOr<GenerationResult> Generator::Generate(const GenerationRequest& re
     } catch (const c10::Error& e) {
       return absl::InternalError(absl::StrCat("logits: ", e.what_without_backtrace()));
     }
-    const absl::Span<const float> values(row.data_ptr<float>(), row.numel());
-    const int32_t id =
-        sampler.Sample(values, want_logprobs ? &lp : nullptr, request.top_logprobs);
-    sampler.Accept(id);
-    ++result.completion_tokens;
-
-    GenerationChunk chunk;
-    chunk.token_ids.push_back(id);
-    if (want_logprobs) {
-      GeneratedTokenLogprob entry;
-      entry.chosen = Entry(id, lp.logprob);
-      for (const auto& [alt, alt_lp] : lp.top) entry.top.push_back(Entry(alt, alt_lp));
-      chunk.logprobs.push_back(std::move(entry));
-    }
-    bool finished = false;
-    if (!request.ignore_eos &&
-        std::find(config_.eos_ids.begin(), config_.eos_ids.end(), id) != config_.eos_ids.end()) {
-      // The EOS token ends the text; its own text is never part of it.
-      result.finish = FinishReason::kStop;
-      result.finish_detail = "eos";
-      finished = true;
-    } else {
-      absl::StatusOr<std::string> delta = detokenizer.Push(id);
-      if (!delta.ok()) return delta.status();
-      StopStringMatcher::Step step = stops.Push(*delta);
-      chunk.text = std::move(step.text);
-      if (step.stopped) {
-        result.finish = FinishReason::kStop;
-        result.finish_detail = absl::StrCat("stop string ", step.stop_index);
-        stopped_by_string = finished = true;
-      }
-    }
+    absl::StatusOr<GenerationState::Step> step =
+        state.Next(absl::Span<const float>(row.data_ptr<float>(), row.numel()));
+    if (!step.ok()) return step.status();
+    result.completion_tokens = state.completion_tokens();
     if (result.completion_tokens == 1) result.first_token_at = Clock::now();
-    if (!sink(chunk)) return cancelled("by the sink");
-    if (finished) break;
-    if (result.completion_tokens >= request.max_tokens) {
-      result.finish = FinishReason::kLength;
-      result.finish_detail = "max_tokens";
-      break;
-    }
+    if (!sink(step->chunk)) return cancelled("by the sink");
+    if (step->finished) break;
     if (stop_requested()) {
       result.decode_ms = MillisSince(decode_start);
       return cancelled("between decode steps");
     }
-    logits = model_->DecodeStep(**seq, id);
+    logits = model_->DecodeStep(**seq, state.last_token());
     ClearUpperVectorState();
     if (!logits.ok()) return logits.status();
   }
   result.decode_ms = MillisSince(decode_start);
-
-  if (!stopped_by_string) {
-    // Bytes of an unfinished character become U+FFFD; that tail can still
-    // complete a stop string.
-    StopStringMatcher::Step step = stops.Push(detokenizer.Finish());
-    result.tail_text = std::move(step.text);
-    if (step.stopped) {
-      result.finish = FinishReason::kStop;
-      result.finish_detail = absl::StrCat("stop string ", step.stop_index);
-    } else {
-      result.tail_text += stops.Flush();
-    }
-  }
+  state.Finish();
+  result.finish = state.result().finish;
+  result.finish_detail = state.result().finish_detail;
+  result.tail_text = state.result().tail_text;
   return result;
 }
 

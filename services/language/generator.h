@@ -1,5 +1,10 @@
-// The generation loop: prompt -> projector -> prefill -> (sample -> stream ->
-// decode step)* -> finish reason (architecture.md, "Data flow", step 5).
+// The generation loop of one request: prompt -> projector -> prefill ->
+// (sample -> stream -> decode step)* -> finish reason (architecture.md, "Data
+// flow", step 5), and GenerationState, its per-sequence part after the model.
+//
+// The service runs requests through the batching Engine (engine.h), which
+// shares GenerationState; Generator is the plain one-request path over a
+// contiguous KV cache, the reference the engine is tested against.
 //
 // Each sampled token is detokenized incrementally (UTF-8 safe), passed through
 // the stop-string matcher (text that may still become a stop string is held
@@ -29,6 +34,7 @@
 #include "services/language/mrope.h"
 #include "services/language/projector.h"
 #include "services/language/sampler.h"
+#include "services/language/stop_strings.h"
 #include "services/language/tokenizer.h"
 
 namespace vlm::language {
@@ -124,12 +130,57 @@ struct GenerationResult {
   double prefill_ms = 0;
   double decode_ms = 0;       // decode steps + sampling, after the first token
   std::chrono::steady_clock::time_point first_token_at{};  // when the first chunk was ready
+  // Serving engine only: prompt tokens reused from the prefix cache, and when
+  // the request first entered a batch.
+  int64_t cached_prompt_tokens = 0;
+  std::chrono::steady_clock::time_point scheduled_at{};
 };
 
 // Called with each chunk; returning false ends generation (client gone).
 using ChunkSink = std::function<bool(const GenerationChunk&)>;
 // Checked before the projector, the prefill and every decode step; true stops.
 using StopCheck = std::function<bool()>;
+
+// The per-sequence logic after the model, shared by Generator and the serving
+// engine: one logits row in, one chunk out. Owns the sequence's sampler
+// (seeded RNG, penalties), incremental detokenizer and stop-string matcher;
+// decides EOS / stop string / max_tokens. `request` and `tokenizer` must
+// outlive it. Not thread-safe (one sequence, one thread at a time).
+class GenerationState {
+ public:
+  GenerationState(const GenerationRequest& request, const Tokenizer* tokenizer,
+                  const GeneratorConfig& config);
+
+  struct Step {
+    GenerationChunk chunk;  // exactly one token
+    bool finished = false;  // EOS, stop string or max_tokens: no more tokens
+  };
+  // Samples the next token from `logits` (float32, one row of any width),
+  // records it and returns its chunk. INTERNAL if detokenizing fails.
+  absl::StatusOr<Step> Next(absl::Span<const float> logits);
+  // After the last Next (finished or not): releases held-back text into
+  // result().tail_text, unless a stop string already ended the text.
+  void Finish();
+
+  int32_t last_token() const { return last_token_; }
+  int64_t completion_tokens() const { return result_.completion_tokens; }
+  // finish, finish_detail, completion_tokens, seed, tail_text (after Finish).
+  GenerationResult& result() { return result_; }
+
+ private:
+  TopLogprobEntry Entry(int32_t id, float logprob) const;
+
+  const GenerationRequest& request_;
+  const Tokenizer* tokenizer_;
+  const GeneratorConfig& config_;
+  Sampler sampler_;
+  StreamingDetokenizer detokenizer_;
+  StopStringMatcher stops_;
+  TokenLogprobs lp_;
+  bool stopped_by_string_ = false;
+  int32_t last_token_ = -1;
+  GenerationResult result_;
+};
 
 class Generator {
  public:
@@ -144,8 +195,6 @@ class Generator {
                                             const StopCheck& should_stop = nullptr) const;
 
  private:
-  TopLogprobEntry Entry(int32_t id, float logprob) const;
-
   GenerationModel* model_;
   const Tokenizer* tokenizer_;
   GeneratorConfig config_;

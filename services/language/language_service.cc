@@ -135,8 +135,6 @@ struct LanguageService::Metrics {
   prometheus::Counter* image_tokens;
   prometheus::Counter* generated_tokens;
   prometheus::Family<prometheus::Counter>* generations;
-  prometheus::Gauge* queue_depth;
-  prometheus::Gauge* running;
   prometheus::Gauge* prefill_tps;
   prometheus::Gauge* decode_tps;
   prometheus::Family<prometheus::Histogram>* stages;
@@ -175,16 +173,6 @@ struct LanguageService::Metrics {
                             .Help("Generations that ran, by finish reason (stop, length, "
                                   "cancelled, error).")
                             .Register(r);
-      m->queue_depth = &prometheus::BuildGauge()
-                            .Name("vlm_language_queue_depth")
-                            .Help("Generate calls waiting for a sequence slot.")
-                            .Register(r)
-                            .Add({});
-      m->running = &prometheus::BuildGauge()
-                        .Name("vlm_language_sequences_running")
-                        .Help("Generations holding a sequence slot.")
-                        .Register(r)
-                        .Add({});
       m->prefill_tps = &prometheus::BuildGauge()
                             .Name("vlm_language_prefill_tokens_per_second")
                             .Help("Prefill speed of the last generation.")
@@ -209,102 +197,18 @@ struct LanguageService::Metrics {
 };
 
 // ---------------------------------------------------------------------------
-// Admission: bounded running sequences + bounded FIFO queue
-// ---------------------------------------------------------------------------
-
-class LanguageService::Admission {
- public:
-  Admission(int max_running, int max_queue, Metrics* metrics)
-      : max_running_(std::max(1, max_running)), max_queue_(std::max(0, max_queue)),
-        metrics_(metrics) {}
-
-  // Holds one slot until destroyed.
-  class Slot {
-   public:
-    explicit Slot(Admission* owner) : owner_(owner) {}
-    Slot(Slot&& other) noexcept : owner_(std::exchange(other.owner_, nullptr)) {}
-    Slot& operator=(Slot&&) = delete;
-    ~Slot() {
-      if (owner_ != nullptr) owner_->Release();
-    }
-
-   private:
-    Admission* owner_;
-  };
-
-  absl::StatusOr<Slot> Acquire(grpc::ServerContext* context) {
-    absl::MutexLock lock(&mu_);
-    if (running_ < max_running_ && queue_.empty()) {
-      ++running_;
-      Publish();
-      return Slot(this);
-    }
-    if (static_cast<int>(queue_.size()) >= max_queue_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "all ", max_running_, " sequence slots are busy and ", queue_.size(),
-          " requests are already queued (--max_sequences, --max_queue); retry later"));
-    }
-    const uint64_t ticket = next_ticket_++;
-    queue_.push_back(ticket);
-    Publish();
-    while (true) {
-      if (queue_.front() == ticket && running_ < max_running_) {
-        queue_.pop_front();
-        ++running_;
-        Publish();
-        cv_.SignalAll();
-        return Slot(this);
-      }
-      const bool late = DeadlinePassed(context);
-      if (late || context->IsCancelled()) {
-        queue_.erase(std::find(queue_.begin(), queue_.end(), ticket));
-        Publish();
-        cv_.SignalAll();
-        return late ? absl::DeadlineExceededError(
-                          "the deadline passed while waiting for a sequence slot")
-                    : absl::CancelledError("cancelled while waiting for a sequence slot");
-      }
-      // Cancellation and deadlines are polled: gRPC's sync API has no callback
-      // that could wake this wait.
-      cv_.WaitWithTimeout(&mu_, absl::Milliseconds(10));
-    }
-  }
-
- private:
-  void Release() {
-    absl::MutexLock lock(&mu_);
-    --running_;
-    Publish();
-    cv_.SignalAll();
-  }
-  void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    metrics_->queue_depth->Set(static_cast<double>(queue_.size()));
-    metrics_->running->Set(running_);
-  }
-
-  const int max_running_;
-  const int max_queue_;
-  Metrics* metrics_;
-  absl::Mutex mu_;
-  absl::CondVar cv_;
-  int running_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<uint64_t> queue_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
-// ---------------------------------------------------------------------------
 // Loading
 // ---------------------------------------------------------------------------
 
 struct LanguageService::Prepared {
   Prompt prompt;
   std::vector<ImageFeatures> images;
+  std::vector<BlockKey> image_keys;  // one per image (with features only)
   int64_t image_tokens = 0;
 };
 
 LanguageService::LanguageService(Readiness* readiness, LanguageServiceOptions options)
     : readiness_(readiness), options_(std::move(options)), metrics_(Metrics::Get()) {
-  admission_ = std::make_unique<Admission>(options_.max_sequences, options_.max_queue, metrics_);
   // Methods 0 (Generate) and 1 (CountTokens) in proto order: the request
   // arrives as bytes (see the header); on the wire nothing changes.
   using RawHandler =
@@ -319,7 +223,9 @@ LanguageService::LanguageService(Readiness* readiness, LanguageServiceOptions op
                             this));
 }
 
-LanguageService::~LanguageService() = default;
+LanguageService::~LanguageService() {
+  engine_.reset();  // stops the engine thread before the runner and model go
+}
 
 absl::Status LanguageService::Load() {
   const std::string& dir = options_.model_dir;
@@ -411,12 +317,57 @@ absl::Status LanguageService::Load() {
     }
   }
   max_context_ = std::min<int64_t>(options_.max_context, config_.text.max_position_embeddings);
-  model_ = std::make_unique<DecoderModel>(projector_.get(), decoder_.get(), config_);
-  generator_ = std::make_unique<Generator>(model_.get(), tokenizer_.get(), generator_config);
+
+  // The paged KV cache: --kv_cache_mb split into blocks of --kv_block_size tokens.
+  const int64_t block_size = std::max<int64_t>(1, options_.kv_block_size);
+  const uint64_t per_token = decoder_->kv_bytes_per_token();
+  const uint64_t budget = static_cast<uint64_t>(std::max<int64_t>(0, options_.kv_cache_mb)) << 20;
+  int64_t num_blocks = static_cast<int64_t>(budget / (per_token * block_size));
+  // Never more than every admitted sequence could hold at once at full
+  // context: the storage is committed at startup, so a small model with the
+  // default budget would otherwise pin memory it can never use.
+  const int64_t most = (max_context_ + block_size - 1) / block_size *
+                       (std::max(1, options_.max_sequences) + std::max(0, options_.max_queue));
+  if (num_blocks > most) {
+    LogInfo(kLog, "KV cache capped to what admitted sequences can use",
+            {{"kv_cache_mb", static_cast<long long>(options_.kv_cache_mb)},
+             {"blocks", static_cast<long long>(most)},
+             {"rule", "(max_sequences + max_queue) x max_context tokens"}});
+    num_blocks = most;
+  }
+  if (num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_cache_mb=", options_.kv_cache_mb, " holds no KV block of ", block_size,
+        " tokens (", per_token * block_size, " bytes each)"));
+  }
+  {
+    LoadPhaseTimer timer("language_kv_cache");
+    absl::StatusOr<std::unique_ptr<DecoderRunner>> runner =
+        DecoderRunner::Create(projector_.get(), decoder_.get(), num_blocks, block_size);
+    if (!runner.ok()) return runner.status();
+    runner_ = *std::move(runner);
+  }
+  EngineOptions engine_options;
+  engine_options.max_sequences = options_.max_sequences;
+  engine_options.max_queue = options_.max_queue;
+  engine_options.max_batch_tokens = std::max<int64_t>(1, options_.max_batch_tokens);
+  engine_options.num_blocks = num_blocks;
+  engine_options.block_size = block_size;
+  engine_options.prefix_cache = options_.prefix_cache;
+  engine_options.kv_budget_bytes = static_cast<uint64_t>(num_blocks) * block_size * per_token;
+  engine_options.eos_ids = generator_config.eos_ids;
+  engine_ = std::make_unique<Engine>(runner_.get(), tokenizer_.get(), config_, engine_options);
   LogInfo(kLog, "ready to generate",
           {{"max_context", static_cast<long long>(max_context_)},
            {"max_sequences", options_.max_sequences},
            {"max_queue", options_.max_queue},
+           {"max_batch_tokens", static_cast<long long>(engine_options.max_batch_tokens)},
+           {"kv_cache_mb", static_cast<long long>(options_.kv_cache_mb)},
+           {"kv_blocks", static_cast<long long>(num_blocks)},
+           {"kv_block_size", static_cast<long long>(block_size)},
+           {"kv_tokens", static_cast<long long>(num_blocks * block_size)},
+           {"kv_bytes_per_token", static_cast<long long>(per_token)},
+           {"prefix_cache", options_.prefix_cache ? "on" : "off"},
            {"eos_ids", absl::StrJoin(generator_config.eos_ids, ",")}});
   return absl::OkStatus();
 }
@@ -486,6 +437,9 @@ absl::StatusOr<LanguageService::Prepared> LanguageService::Prepare(
             if (!d.ok()) return d.status();
             features.deepstack.push_back(*std::move(d));
           }
+          // The prefix-cache key of the image: its grid and the feature bytes
+          // as received (never only a client-supplied hash).
+          out.image_keys.push_back(ImageKey(features));
           out.images.push_back(std::move(features));
         }
         message.content.push_back(ChatPart::Image(grid));
@@ -601,23 +555,23 @@ grpc::Status LanguageService::RunGenerate(
     const std::function<bool(const v1::GenerateResponse&)>& write) {
   absl::StatusOr<Prepared> prepared = Prepare(request, /*with_features=*/true);
   if (!prepared.ok()) return ToGrpcStatus(prepared.status());
-  GenerationRequest gen;
+  EngineRequest submit;
+  GenerationRequest& gen = submit.generation;
   const int64_t prompt_tokens = static_cast<int64_t>(prepared->prompt.ids.size());
   if (absl::Status s = ResolveParams(request.params(), prompt_tokens, &gen); !s.ok()) {
     return ToGrpcStatus(s);
   }
   gen.prompt_ids = std::move(prepared->prompt.ids);
   gen.images = std::move(prepared->images);
+  submit.image_keys = std::move(prepared->image_keys);
 
-  absl::StatusOr<Admission::Slot> slot = admission_->Acquire(context);
-  if (!slot.ok()) return ToGrpcStatus(slot.status());
-  const Clock::time_point admitted = Clock::now();
-  const double queue_ms = MillisBetween(arrival, admitted);
-  metrics_->Stage("queue", queue_ms);
+  absl::StatusOr<std::shared_ptr<RequestStream>> submitted = engine_->Submit(std::move(submit));
+  if (!submitted.ok()) return ToGrpcStatus(submitted.status());
+  RequestStream& stream = **submitted;
 
-  Clock::time_point last_token = admitted;
+  Clock::time_point last_token = arrival;
   int64_t sent = 0;
-  auto sink = [&](const GenerationChunk& chunk) {
+  auto send = [&](const GenerationChunk& chunk) {
     const Clock::time_point now = Clock::now();
     if (sent == 0) {
       metrics_->ttft->Observe(MillisBetween(arrival, now) / 1000.0);
@@ -643,71 +597,95 @@ grpc::Status LanguageService::RunGenerate(
     }
     return write(response);
   };
-  auto should_stop = [&] { return context->IsCancelled() || DeadlinePassed(context); };
 
-  absl::StatusOr<GenerationResult> result = generator_->Generate(gen, sink, should_stop);
+  // Forward the engine's events; cancellation and deadlines are polled (gRPC's
+  // sync API has no callback for them) and passed to the engine.
+  bool client_gone = false;
+  EngineEvent event;
+  while (true) {
+    if (!stream.Next(&event, absl::Milliseconds(10))) {
+      if (!stream.cancelled() && (context->IsCancelled() || DeadlinePassed(context))) {
+        stream.Cancel();
+      }
+      continue;
+    }
+    if (event.kind != EngineEvent::Kind::kChunk) break;
+    if (!client_gone && !send(event.chunk)) {
+      client_gone = true;
+      stream.Cancel();
+    }
+  }
   const double total_ms = MillisBetween(arrival, Clock::now());
   metrics_->prompt_tokens->Increment(static_cast<double>(prompt_tokens));
   metrics_->image_tokens->Increment(static_cast<double>(prepared->image_tokens));
   metrics_->generated_tokens->Increment(static_cast<double>(sent));
-  if (!result.ok()) {
+  if (event.kind == EngineEvent::Kind::kError) {
     metrics_->generations->Add({{"finish_reason", "error"}}).Increment();
     LogWarning(kLog, "generation failed", {{"request_id", request.request_id()},
-                                           {"error", result.status().ToString()}});
-    return ToGrpcStatus(result.status());
+                                           {"error", event.error.ToString()}});
+    return ToGrpcStatus(event.error);
   }
-  metrics_->generations->Add({{"finish_reason", FinishReasonName(result->finish)}}).Increment();
-  metrics_->Stage("projector", result->projector_ms);
-  metrics_->Stage("prefill", result->prefill_ms);
-  metrics_->Stage("decode", result->decode_ms);
-  if (result->prefill_ms > 0) {
-    metrics_->prefill_tps->Set(static_cast<double>(prompt_tokens) / (result->prefill_ms / 1000));
+  GenerationResult& result = event.result;
+  const bool scheduled = result.scheduled_at != Clock::time_point{};
+  const double queue_ms = MillisBetween(arrival, scheduled ? result.scheduled_at : Clock::now());
+  metrics_->generations->Add({{"finish_reason", FinishReasonName(result.finish)}}).Increment();
+  metrics_->Stage("queue", queue_ms);
+  metrics_->Stage("projector", result.projector_ms);
+  metrics_->Stage("prefill", result.prefill_ms);
+  metrics_->Stage("decode", result.decode_ms);
+  const int64_t computed = prompt_tokens - result.cached_prompt_tokens;
+  if (result.prefill_ms > 0 && computed > 0) {
+    metrics_->prefill_tps->Set(static_cast<double>(computed) / (result.prefill_ms / 1000));
   }
-  if (result->completion_tokens > 1 && result->decode_ms > 0) {
-    metrics_->decode_tps->Set(static_cast<double>(result->completion_tokens - 1) /
-                              (result->decode_ms / 1000));
+  if (result.completion_tokens > 1 && result.decode_ms > 0) {
+    metrics_->decode_tps->Set(static_cast<double>(result.completion_tokens - 1) /
+                              (result.decode_ms / 1000));
   }
-  const double first_token_ms = result->completion_tokens > 0
-                                    ? MillisBetween(arrival, result->first_token_at)
+  const double first_token_ms = result.completion_tokens > 0
+                                    ? MillisBetween(arrival, result.first_token_at)
                                     : 0.0;
   LogInfo(kLog, "generation finished",
           {{"request_id", request.request_id()},
-           {"finish", result->finish_detail},
+           {"finish", result.finish_detail},
            {"prompt_tokens", static_cast<long long>(prompt_tokens)},
+           {"cached_prompt_tokens", static_cast<long long>(result.cached_prompt_tokens)},
            {"image_tokens", static_cast<long long>(prepared->image_tokens)},
-           {"completion_tokens", static_cast<long long>(result->completion_tokens)},
+           {"completion_tokens", static_cast<long long>(result.completion_tokens)},
            {"queue_ms", queue_ms},
-           {"projector_ms", result->projector_ms},
-           {"prefill_ms", result->prefill_ms},
+           {"projector_ms", result.projector_ms},
+           {"prefill_ms", result.prefill_ms},
            {"first_token_ms", first_token_ms},
-           {"decode_ms", result->decode_ms},
+           {"decode_ms", result.decode_ms},
            {"total_ms", total_ms}});
 
-  if (result->finish == FinishReason::kCancelled) {
+  if (result.finish == FinishReason::kCancelled) {
     if (DeadlinePassed(context)) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("deadline exceeded after ", result->completion_tokens,
-                                       " generated tokens"));
+      return grpc::Status(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          scheduled ? absl::StrCat("deadline exceeded after ", result.completion_tokens,
+                                   " generated tokens")
+                    : std::string("the deadline passed while waiting for a sequence slot"));
     }
     return grpc::Status(grpc::StatusCode::CANCELLED,
-                        absl::StrCat("generation ", result->finish_detail, " after ",
-                                     result->completion_tokens, " tokens"));
+                        absl::StrCat("generation cancelled after ", result.completion_tokens,
+                                     " tokens"));
   }
 
   v1::GenerateResponse last;
-  last.set_text(result->tail_text);
-  last.set_finish_reason(ToProto(result->finish));
+  last.set_text(result.tail_text);
+  last.set_finish_reason(ToProto(result.finish));
   v1::Usage* usage = last.mutable_usage();
   usage->set_prompt_tokens(static_cast<int32_t>(prompt_tokens));
   usage->set_image_tokens(static_cast<int32_t>(prepared->image_tokens));
-  usage->set_completion_tokens(static_cast<int32_t>(result->completion_tokens));
-  usage->set_total_tokens(static_cast<int32_t>(prompt_tokens + result->completion_tokens));
+  usage->set_completion_tokens(static_cast<int32_t>(result.completion_tokens));
+  usage->set_total_tokens(static_cast<int32_t>(prompt_tokens + result.completion_tokens));
+  usage->set_cached_prompt_tokens(static_cast<int32_t>(result.cached_prompt_tokens));
   v1::LanguageTimings* timings = last.mutable_timings();
   timings->set_queue_ms(queue_ms);
-  timings->set_projector_ms(result->projector_ms);
-  timings->set_prefill_ms(result->prefill_ms);
+  timings->set_projector_ms(result.projector_ms);
+  timings->set_prefill_ms(result.prefill_ms);
   timings->set_first_token_ms(first_token_ms);
-  timings->set_decode_ms(result->decode_ms);
+  timings->set_decode_ms(result.decode_ms);
   timings->set_total_ms(total_ms);
   write(last);
   return grpc::Status::OK;

@@ -1,15 +1,18 @@
-// vlm.v1.Language: translates between the wire and the generation loop.
+// vlm.v1.Language: translates between the wire and the serving engine.
 //
 // Generate validates the request (INVALID_ARGUMENT naming the field), renders
-// and tokenizes the conversation, waits for a sequence slot, then streams one
-// GenerateResponse per sampled token and a last one with finish reason, usage
-// and timings. CountTokens renders and counts without generating.
+// and tokenizes the conversation, keys its images (SHA-256 of grid + feature
+// bytes, for the prefix cache), submits it to the Engine (engine.h) and
+// streams one GenerateResponse per sampled token and a last one with finish
+// reason, usage (cached_prompt_tokens: prompt tokens reused from the prefix
+// cache) and timings. CountTokens renders and counts without generating.
 //
-// Admission: at most `max_sequences` generations run at once and at most
-// `max_queue` wait (FIFO) for a slot; beyond that RESOURCE_EXHAUSTED. A
-// request's deadline is honoured while it waits (DEADLINE_EXCEEDED) and
-// between decode steps; a cancelled call stops before its next decode step
-// and frees its slot.
+// Admission (Engine::Submit): at most `max_sequences` sequences run in one
+// batch and at most `max_queue` more are admitted; beyond that
+// RESOURCE_EXHAUSTED, as for a prompt + max_tokens that cannot fit the KV
+// budget (--kv_cache_mb) even alone. A request's deadline is honoured while
+// it waits (DEADLINE_EXCEEDED) and while it runs; a cancelled call is dropped
+// by the engine at its next iteration and its KV blocks are freed.
 //
 // Readiness: every RPC answers UNAVAILABLE until Load() has warmed up the
 // projector and the caller has marked the service SERVING.
@@ -19,13 +22,12 @@
 // parser rejects before any handler runs, as an anonymous INTERNAL error) is
 // answered with INVALID_ARGUMENT naming the field.
 //
-// Metrics (besides the bootstrap's per-RPC ones): vlm_language_time_to_first_token_seconds,
-// vlm_language_inter_token_latency_seconds, vlm_language_prompt_tokens_total,
-// vlm_language_image_tokens_total, vlm_language_generated_tokens_total,
-// vlm_language_generations_total{finish_reason}, vlm_language_queue_depth,
-// vlm_language_sequences_running, vlm_language_prefill_tokens_per_second and
-// vlm_language_decode_tokens_per_second (of the last request),
-// vlm_language_stage_seconds{stage=queue|projector|prefill|decode}.
+// Metrics (besides the bootstrap's per-RPC ones and the engine's, engine.cc):
+// vlm_language_time_to_first_token_seconds, vlm_language_inter_token_latency_seconds,
+// vlm_language_prompt_tokens_total, vlm_language_image_tokens_total,
+// vlm_language_generated_tokens_total, vlm_language_generations_total{finish_reason},
+// vlm_language_prefill_tokens_per_second and vlm_language_decode_tokens_per_second
+// (of the last request), vlm_language_stage_seconds{stage=queue|projector|prefill|decode}.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -47,6 +49,7 @@
 #include "common/safetensors.h"
 #include "services/language/chat_template.h"
 #include "services/language/decoder.h"
+#include "services/language/engine.h"
 #include "services/language/generator.h"
 #include "services/language/projector.h"
 #include "services/language/tokenizer.h"
@@ -65,8 +68,12 @@ struct LanguageServiceOptions {
   int prefetch_layers = 1;
   int64_t prefill_chunk_tokens = 512;
   bool use_gemv = true;
-  int max_sequences = 1;        // generations running at once
-  int max_queue = 16;           // generations waiting for a slot
+  int max_sequences = 8;        // sequences per engine batch (running at once)
+  int max_queue = 16;           // generations admitted beyond the running ones
+  int64_t max_batch_tokens = 512;  // tokens per forward pass (chunked prefill)
+  int64_t kv_cache_mb = 2048;   // paged KV cache budget
+  int64_t kv_block_size = 16;   // tokens per KV block
+  bool prefix_cache = true;     // reuse KV of identical prefixes (text and images)
   int64_t max_context = 8192;   // prompt + completion tokens per sequence
   absl::Duration warmup_delay;  // artificial, for tests of readiness gating
 };
@@ -90,12 +97,12 @@ class LanguageService final : public v1::Language::Service {
                            v1::CountTokensResponse* response) override;
 
   const LanguageServiceOptions& options() const { return options_; }
-  // After Load: the model, for benchmarks and logs.
+  // After Load: the model and the engine, for benchmarks, tests and logs.
   const Decoder* decoder() const { return decoder_.get(); }
+  Engine* engine() const { return engine_.get(); }
   const Projector* projector() const { return projector_.get(); }
 
  private:
-  class Admission;
   struct Metrics;
   struct Prepared;  // a validated, tokenized request
 
@@ -121,9 +128,8 @@ class LanguageService final : public v1::Language::Service {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Projector> projector_;
   std::unique_ptr<Decoder> decoder_;
-  std::unique_ptr<GenerationModel> model_;
-  std::unique_ptr<Generator> generator_;
-  std::unique_ptr<Admission> admission_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<Engine> engine_;
   Metrics* metrics_;  // process-wide families, never destroyed
   int64_t max_context_ = 0;  // options.max_context capped by the model
 };

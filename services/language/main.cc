@@ -22,8 +22,14 @@ ABSL_FLAG(bool, eager_load, false, "materialize every decoder layer at startup i
 ABSL_FLAG(int, resident_layers, 0,
           "most decoder layers kept resident (LRU pages dropped beyond); 0 = no bound");
 ABSL_FLAG(int, prefetch_layers, 1, "decoder layers prepared ahead by the background thread; 0 = off");
-ABSL_FLAG(int, max_sequences, 1, "generations running at once (each holds a KV cache)");
-ABSL_FLAG(int, max_queue, 16, "Generate calls waiting for a slot; beyond: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_sequences, 8, "sequences per engine batch (running at once)");
+ABSL_FLAG(int, max_queue, 16,
+          "generations admitted beyond the running ones; beyond: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_batch_tokens, 512,
+          "tokens per engine iteration (decode tokens + prefill chunks)");
+ABSL_FLAG(int64_t, kv_cache_mb, 2048, "paged KV cache budget in MiB (blocks are printed at startup)");
+ABSL_FLAG(int64_t, kv_block_size, 16, "tokens per KV cache block");
+ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of cached prompt prefixes (text and images)");
 ABSL_FLAG(int64_t, max_context, 8192, "prompt + completion tokens per sequence (KV cache size)");
 ABSL_FLAG(int64_t, prefill_chunk_tokens, 512, "prompt tokens per prefill pass (0 = whole prompt)");
 ABSL_FLAG(bool, use_gemv, true, "decode-step projections through the bf16 matrix-vector kernels");
@@ -52,14 +58,20 @@ int Run() {
   options.prefetch_layers = absl::GetFlag(FLAGS_prefetch_layers);
   options.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
+  options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.kv_cache_mb = absl::GetFlag(FLAGS_kv_cache_mb);
+  options.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
+  options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.max_context = absl::GetFlag(FLAGS_max_context);
   options.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
   options.use_gemv = absl::GetFlag(FLAGS_use_gemv);
   options.warmup_delay = absl::Milliseconds(absl::GetFlag(FLAGS_warmup_delay_ms));
   if (options.model_dir.empty() || options.max_sequences < 1 || options.max_queue < 0 ||
-      options.max_context < 2 || options.resident_layers < 0) {
+      options.max_context < 2 || options.resident_layers < 0 || options.max_batch_tokens < 1 ||
+      options.kv_cache_mb < 1 || options.kv_block_size < 1) {
     vlm::LogError(kLog, "bad flags: need --model_dir, --max_sequences >= 1, --max_queue >= 0, "
-                        "--max_context >= 2, --resident_layers >= 0");
+                        "--max_context >= 2, --resident_layers >= 0, --max_batch_tokens >= 1, "
+                        "--kv_cache_mb >= 1, --kv_block_size >= 1");
     return 2;
   }
   int threads = absl::GetFlag(FLAGS_intra_op_threads);

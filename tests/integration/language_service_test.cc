@@ -697,5 +697,107 @@ TEST_F(LanguageServiceTest, MetricsCountTokensAndExposeQueueState) {
   EXPECT_TRUE(absl::StrContains(body, "vlm_language_sequences_running 0"));
 }
 
+// The serving engine through the wire: a KV budget smaller than the context,
+// several sequences per batch, the prefix cache.
+class LanguageEngineServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // Tiny model in bf16: 1 KiB of KV per token, so 1 MiB holds 1024 tokens.
+    server_ = new ServerProcess({"--max_sequences=4", "--max_queue=8", "--max_context=4096",
+                                 "--kv_cache_mb=1", "--kv_block_size=16",
+                                 "--max_batch_tokens=128"});
+    ASSERT_TRUE(server_->WaitListening(absl::Seconds(30)));
+    channel_ = new std::shared_ptr<grpc::Channel>(
+        grpc::CreateChannel(server_->target, grpc::InsecureChannelCredentials()));
+    auto health = grpc::health::v1::Health::NewStub(*channel_);
+    ASSERT_TRUE(Eventually([&] { return Health(*health) == "SERVING"; }, absl::Seconds(60)));
+  }
+  static void TearDownTestSuite() {
+    delete channel_;
+    delete server_;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::Language::NewStub(*channel_);
+  }
+  void TearDown() override { EXPECT_TRUE(server_->Alive()) << "vlm-language died"; }
+  std::string Metrics() {
+    httplib::Client http("127.0.0.1", server_->metrics_port);
+    auto res = http.Get("/metrics");
+    return res && res->status == 200 ? res->body : "";
+  }
+  static ServerProcess* server_;
+  static std::shared_ptr<grpc::Channel>* channel_;
+  std::unique_ptr<v1::Language::Stub> stub_;
+};
+ServerProcess* LanguageEngineServiceTest::server_ = nullptr;
+std::shared_ptr<grpc::Channel>* LanguageEngineServiceTest::channel_ = nullptr;
+
+TEST_F(LanguageEngineServiceTest, PromptThatCannotFitTheKvBudgetAloneIsResourceExhausted) {
+  Streamed big = Generate(*stub_, TextRequest("Tell me everything.", 2000));
+  EXPECT_EQ(big.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(absl::StrContains(big.status.error_message(), "--kv_cache_mb"))
+      << big.status.error_message();
+  // Nothing else is affected.
+  Streamed ok = Generate(*stub_, TextRequest("Hi", 3));
+  EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
+  EXPECT_EQ(ok.ids.size(), 3u);
+}
+
+TEST_F(LanguageEngineServiceTest, RepeatedImageConversationReusesTheCachedPrefix) {
+  GenerateRequest request = TextRequest("Describe this picture in detail, please.", 6);
+  AddImage(&request, 8, 8, 7);
+  Streamed cold = Generate(*stub_, request);
+  ASSERT_TRUE(cold.status.ok()) << cold.status.error_message();
+  const int prompt = cold.last.usage().prompt_tokens();
+  // The same conversation with a follow-up question appended.
+  v1::LanguageMessage* answer = request.add_messages();
+  answer->set_role("assistant");
+  answer->add_content()->set_text(cold.text);
+  v1::LanguageMessage* follow = request.add_messages();
+  follow->set_role("user");
+  follow->add_content()->set_text("And the colours?");
+  Streamed hit = Generate(*stub_, request);
+  ASSERT_TRUE(hit.status.ok()) << hit.status.error_message();
+  EXPECT_GE(hit.last.usage().cached_prompt_tokens(), (prompt - 1) / 16 * 16 - 16)
+      << "the first turn's prompt (image included) was reused";
+  EXPECT_LT(hit.last.usage().cached_prompt_tokens(), hit.last.usage().prompt_tokens());
+  // Exactly the same request again: everything but the last token is reused,
+  // and the answer is the cold one.
+  Streamed again = Generate(*stub_, request);
+  ASSERT_TRUE(again.status.ok());
+  EXPECT_EQ(again.ids, hit.ids);
+  EXPECT_EQ(again.last.usage().cached_prompt_tokens(),
+            (again.last.usage().prompt_tokens() - 1) / 16 * 16);
+  const std::string metrics = Metrics();
+  for (const char* name :
+       {"vlm_language_prefix_cache_hit_tokens_total", "vlm_language_prefix_cache_miss_tokens_total",
+        "vlm_language_kv_blocks{state=\"cached\"}", "vlm_language_kv_cache_budget_bytes",
+        "vlm_language_batch_tokens_count", "vlm_language_batch_sequences_count",
+        "vlm_language_preemptions_total", "vlm_language_iteration_seconds_count"}) {
+    EXPECT_TRUE(absl::StrContains(metrics, name)) << name;
+  }
+}
+
+TEST_F(LanguageEngineServiceTest, ConcurrentStreamsAnswerAsTheyDoAlone) {
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < 4; ++i) {
+    requests.push_back(TextRequest(absl::StrCat("Story number ", i, " begins with"), 10 + 5 * i));
+  }
+  std::vector<Streamed> alone;
+  for (const auto& r : requests) alone.push_back(Generate(*stub_, r));
+  std::vector<Streamed> together(requests.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] { together[i] = Generate(*stub_, requests[i]); });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(together[i].status.ok()) << together[i].status.error_message();
+    EXPECT_EQ(together[i].ids, alone[i].ids) << "request " << i;
+    EXPECT_EQ(together[i].text, alone[i].text) << "request " << i;
+  }
+}
+
 }  // namespace
 }  // namespace vlm
