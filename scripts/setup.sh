@@ -25,6 +25,8 @@ PACKAGES=(
   prometheus-cpp-dev libcpp-httplib-dev nlohmann-json3-dev libssl-dev libicu-dev
   # image codecs
   libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libwebp-dev
+  # hardening: clang + libFuzzer/sanitizer runtimes (scripts/fuzz.sh), llvm-symbolizer for stacks
+  clang libclang-rt-14-dev llvm
 )
 
 need_install() {
