@@ -56,6 +56,8 @@ fi
 
 # TSan: build only the binaries of the tests labelled concurrency (test names
 # are target names for C++ tests) and the checkpoint tool their fixtures use.
+# Configure first so that tests added since the last build are listed.
+cmake -S "$ROOT" -B "$BUILD_DIR" >/dev/null
 mapfile -t targets < <(
   cd "$BUILD_DIR" && ninja -t targets all | sed -n 's/^\([A-Za-z0-9_.-]*\): .*/\1/p' | sort -u |
   comm -12 - <(ctest -N -L '^concurrency$' | sed -n 's/^ *Test *#[0-9]*: \(.*\)$/\1/p' |

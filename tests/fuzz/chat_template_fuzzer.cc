@@ -42,6 +42,13 @@ size_t Count(absl::string_view text, absl::string_view what) {
 
 }  // namespace
 
+// Loading the 11 MB tokenizer.json takes seconds under ASan: done once here,
+// outside the per-input timeout.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  vlm::fuzz::SharedTokenizer();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Tokenizer& tokenizer = vlm::fuzz::SharedTokenizer();
   FuzzedDataProvider in(data, size);
