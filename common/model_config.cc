@@ -1,11 +1,13 @@
 #include "common/model_config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
+#include "absl/numeric/int128.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -170,9 +172,13 @@ absl::Status CheckPositive(const Fields& f, const std::string& key, int64_t v) {
 
 bool IsPerfectSquare(int64_t n, int64_t* root) {
   if (n < 0) return false;
-  int64_t r = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(n))));
+  // floor(sqrt(INT64_MAX)): r * r stays in range (the double root of a value
+  // near INT64_MAX rounds above it).
+  constexpr int64_t kMaxRoot = 3037000499;
+  int64_t r = std::min<int64_t>(
+      kMaxRoot, static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(n)))));
   while (r * r > n) --r;
-  while ((r + 1) * (r + 1) <= n) ++r;
+  while (r < kMaxRoot && (r + 1) * (r + 1) <= n) ++r;
   if (root) *root = r;
   return r * r == n;
 }
@@ -270,18 +276,26 @@ absl::Status ParseText(const Json& obj, const std::string& source, TextConfig* t
     return f.Error("head_dim", absl::StrCat("must be even for rotary embedding, got ", t->head_dim));
   }
   const int64_t half = t->head_dim / 2;
-  const int64_t sum = section[0] + section[1] + section[2];
-  if (sum != half) {
+  // Entries are >= 0 (checked above); compared against half one by one so that
+  // no sum or product of file values can overflow.
+  const bool sums_to_half = section[0] <= half && section[1] <= half - section[0] &&
+                            section[2] == half - section[0] - section[1];
+  if (!sums_to_half) {
+    std::ostringstream sum;
+    sum << absl::int128(section[0]) + section[1] + section[2];
     return Semantic(source, absl::StrCat("text_config.", rope_key, ".mrope_section [",
-                                         absl::StrJoin(section, ", "), "] sums to ", sum,
+                                         absl::StrJoin(section, ", "), "] sums to ", sum.str(),
                                          " but head_dim/2 is ", half));
   }
-  if (3 * std::max(section[1], section[2]) > half) {
+  // 3 * m > half  <=>  m > floor(half / 3), without the product.
+  if (std::max(section[1], section[2]) > half / 3) {
+    std::ostringstream product;
+    product << absl::int128(3) * std::max(section[1], section[2]);
     return Semantic(source,
                     absl::StrCat("text_config.", rope_key, ".mrope_section [",
                                  absl::StrJoin(section, ", "),
                                  "]: 3*max(section[1], section[2]) = ",
-                                 3 * std::max(section[1], section[2]), " exceeds head_dim/2 = ",
+                                 product.str(), " exceeds head_dim/2 = ",
                                  half, " (the interleaved layout cannot give H and W their share)"));
   }
   if (t->hidden_act != "silu") {

@@ -29,6 +29,8 @@ PACKAGES=(
   openssl
   # HTTP front end tests: curl (SSE, disconnects), a real browser for the web page
   curl chromium
+  # hardening: clang + libFuzzer/sanitizer runtimes (scripts/fuzz.sh), llvm-symbolizer for stacks
+  clang libclang-rt-14-dev llvm
 )
 
 need_install() {

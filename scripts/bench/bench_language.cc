@@ -10,9 +10,11 @@
 //   reads (decoder layers + final norm + LM head, from the checkpoint headers)
 //   divided by a read bandwidth measured by this process in the same run.
 //
-//   vlm-bench-language --model_dir /work/cache/ckpt-2b
+//   vlm-bench-language [--model_dir DIR]
 //       [--configs ",--resident_layers=8"] [--threads 2] [--runs 3]
 //
+// --model_dir defaults to the 2B-shaped checkpoint scripts/make_checkpoint.sh 2b
+// writes: $VLM_CACHE_DIR/checkpoints/2b, else ~/.cache/vlm/checkpoints/2b.
 // Each entry of --configs (separated by ';') is extra vlm-language flags
 // (comma-separated); the empty entry is the default configuration.
 #include <fcntl.h>
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -48,7 +51,9 @@
 #include "services/language/gemv.h"
 #include "vlm/v1/language.grpc.pb.h"
 
-ABSL_FLAG(std::string, model_dir, "/work/cache/ckpt-2b", "checkpoint directory");
+ABSL_FLAG(std::string, model_dir, "",
+          "checkpoint directory (default: $VLM_CACHE_DIR/checkpoints/2b, else "
+          "~/.cache/vlm/checkpoints/2b, where scripts/make_checkpoint.sh 2b puts it)");
 ABSL_FLAG(std::string, server, "", "vlm-language binary (default: beside this one)");
 ABSL_FLAG(std::string, configs, ";--resident_layers=8",
           "';'-separated configurations, each a ','-separated list of extra server flags");
@@ -387,7 +392,14 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  const std::string dir = absl::GetFlag(FLAGS_model_dir);
+  std::string dir = absl::GetFlag(FLAGS_model_dir);
+  if (dir.empty()) {
+    const char* cache = std::getenv("VLM_CACHE_DIR");
+    const char* home = std::getenv("HOME");
+    dir = (cache != nullptr && *cache != '\0')
+              ? std::string(cache) + "/checkpoints/2b"
+              : std::string(home != nullptr ? home : "/root") + "/.cache/vlm/checkpoints/2b";
+  }
   std::string binary = absl::GetFlag(FLAGS_server);
   if (binary.empty()) {
     char self[4096];

@@ -186,6 +186,21 @@ absl::StatusOr<ImageSize> SmartResize(int64_t height, int64_t width, int64_t fac
     return Invalid(absl::StrFormat("image size %dx%d is not positive", width, height));
   }
   if (factor <= 0) return Invalid(absl::StrFormat("factor must be positive (got %d)", factor));
+  // Bounds far above any real image that keep every product below 2^63 and
+  // every double -> int64 conversion in range (a request can choose the budget).
+  if (height > kSmartResizeMaxSide || width > kSmartResizeMaxSide) {
+    return Invalid(absl::StrFormat("image size %dx%d is larger than %d pixels per side", width,
+                                   height, kSmartResizeMaxSide));
+  }
+  if (factor > kSmartResizeMaxFactor) {
+    return Invalid(absl::StrFormat("factor %d is larger than %d", factor, kSmartResizeMaxFactor));
+  }
+  if (max_pixels < 1 || max_pixels > kSmartResizeMaxPixels || min_pixels > kSmartResizeMaxPixels) {
+    return Invalid(absl::StrFormat("min_pixels %d / max_pixels %d: max_pixels must be in [1, %d] "
+                                   "and min_pixels at most %d",
+                                   min_pixels, max_pixels, kSmartResizeMaxPixels,
+                                   kSmartResizeMaxPixels));
+  }
   const double h = static_cast<double>(height);
   const double w = static_cast<double>(width);
   const double ratio = static_cast<double>(std::max(height, width)) /

@@ -39,8 +39,12 @@ struct ImageSize {
 };
 
 // HF's smart_resize: double precision, banker's rounding, exactly the
-// reference's operation order. INVALID_ARGUMENT for non-positive sizes and for
-// max(h,w)/min(h,w) > 200.
+// reference's operation order. INVALID_ARGUMENT for non-positive sizes, for
+// max(h,w)/min(h,w) > 200, and outside the bounds below (which keep the
+// arithmetic exact and free of overflow whatever a request asks for).
+inline constexpr int64_t kSmartResizeMaxSide = int64_t{1} << 24;    // height, width
+inline constexpr int64_t kSmartResizeMaxFactor = int64_t{1} << 16;  // patch * merge
+inline constexpr int64_t kSmartResizeMaxPixels = int64_t{1} << 40;  // min/max_pixels; max >= 1
 absl::StatusOr<ImageSize> SmartResize(int64_t height, int64_t width, int64_t factor,
                                       int64_t min_pixels, int64_t max_pixels);
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -371,6 +372,30 @@ TEST(ModelConfigTest, SemanticViolationsAreExplained) {
     }
     EXPECT_THAT(ErrorOf(j), HasSubstr(c.fragment)) << c.key << " = " << c.value.dump();
   }
+}
+
+// Values near INT64_MAX used to overflow (undefined behaviour, seen by UBSan in
+// tests/fuzz/model_config_fuzzer; inputs in tests/fuzz/regressions/model_config):
+// the perfect-square search squared 3037000500, the mrope checks summed and
+// tripled the entries. Each is now refused with the usual message.
+TEST(ModelConfigTest, ValuesNearInt64MaxAreRefusedWithoutOverflow) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  Json j = TinyConfig();
+  j["vision_config"]["num_position_embeddings"] = kMax;
+  EXPECT_THAT(ErrorOf(j), HasSubstr("9223372036854775807 is not a perfect square"));
+  j = TinyConfig();
+  j["vision_config"]["num_position_embeddings"] = int64_t{3037000499} * 3037000499;
+  EXPECT_THAT(ErrorOf(j), ::testing::Not(HasSubstr("perfect square")));  // the largest square passes that check
+  j = TinyConfig();
+  j["text_config"]["rope_scaling"]["mrope_section"] = Json::array({kMax, kMax, 2});
+  EXPECT_THAT(ErrorOf(j), HasSubstr("sums to 18446744073709551616 but head_dim/2 is 16"));
+  j = TinyConfig();
+  const int64_t half = (kMax - 1) / 2;  // head_dim = kMax - 1 (even)
+  j["text_config"]["head_dim"] = kMax - 1;
+  const int64_t big = 3100000000000000000;  // 3 * big > INT64_MAX
+  j["text_config"]["rope_scaling"]["mrope_section"] = Json::array({0, big, half - big});
+  EXPECT_THAT(ErrorOf(j), HasSubstr("3*max(section[1], section[2]) = 9300000000000000000 "
+                                    "exceeds head_dim/2 = 4611686018427387903"));
 }
 
 TEST(ModelConfigTest, TextConfigTieFlagDecidesAndDisagreementWarns) {

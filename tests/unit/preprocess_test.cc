@@ -78,6 +78,30 @@ TEST(SmartResizeTest, NonPositiveSizesAreRefused) {
   EXPECT_FALSE(SmartResize(10, -1, 32, kMin, kMax).ok());
 }
 
+// Found by tests/fuzz/image_fuzzer (regressions/image/smart_resize_overflow):
+// 1128 x 2^56 overflowed height * width and h_bar * w_bar (undefined behaviour);
+// a huge min_pixels or a negative max_pixels made the double -> int64
+// conversions overflow. Each is now a status naming the bound.
+TEST(SmartResizeTest, SizesAndBudgetsBeyondTheBoundsAreRefusedNotOverflowed) {
+  EXPECT_THAT(SmartResize(1128, int64_t{1} << 56, 32, kMin, kMax).status().message(),
+              HasSubstr("pixels per side"));
+  EXPECT_THAT(SmartResize(int64_t{1} << 62, int64_t{1} << 62, 32, kMin, kMax).status().message(),
+              HasSubstr("pixels per side"));
+  EXPECT_THAT(SmartResize(100, 100, int64_t{1} << 40, kMin, kMax).status().message(),
+              HasSubstr("factor"));
+  EXPECT_THAT(SmartResize(100, 100, 32, int64_t{1} << 62, int64_t{1} << 62).status().message(),
+              HasSubstr("min_pixels"));
+  EXPECT_THAT(SmartResize(100, 100, 32, kMin, -1).status().message(), HasSubstr("max_pixels"));
+  // The largest accepted values still give a grid of whole factors.
+  const int64_t side = kSmartResizeMaxSide;
+  const ImageSize big = Smart(side, side, 1, kSmartResizeMaxPixels);
+  EXPECT_EQ(big.height % 32, 0);
+  EXPECT_LE(big.height * big.width, kSmartResizeMaxPixels);
+  const ImageSize tiny = Smart(1, 1, kSmartResizeMaxPixels, kSmartResizeMaxPixels);
+  EXPECT_EQ(tiny.height % 32, 0);
+  EXPECT_GE(tiny.height * tiny.width, kSmartResizeMaxPixels);
+}
+
 TEST(SmartResizeTest, MaxPixelsBranchNeverGoesBelowOneFactor) {
   // beta shrinks the short side below 32: max(factor, ...) keeps 32.
   const ImageSize s = Smart(20, 3000, 1024, 4096);
