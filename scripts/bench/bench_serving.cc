@@ -233,6 +233,7 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
   }
   ServiceProcess gateway(bin + "/services/gateway/vlm-gateway",
                          {"--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+                          "--http_address=127.0.0.1:0",
                           "--language_target=" + language.grpc_target(),
                           "--vision_targets=" + vision_target, "--max_inflight=16",
                           "--max_queue=64"},
