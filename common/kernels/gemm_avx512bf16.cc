@@ -1,0 +1,222 @@
+// avx512bf16 block kernel and the fused epilogue (shared with the AMX path).
+//
+// Micro-kernel: R (≤ 12) rows x 32 columns of f32 sums live in 2R zmm
+// registers; per k-pair one broadcast of (x[r,2p], x[r,2p+1]) per row and two
+// 64-byte panel loads feed 2R VDPBF16PS. Each sum runs over the pairs in
+// order, whatever R is, which is what makes rows batch-invariant.
+#include <cmath>
+#include <cstring>
+
+#include "common/kernels/gemm_internal.h"
+
+// GCC 12's AVX-512 headers build "undefined" vectors by self-initialization
+// and then warn about them where they are inlined; silence only that header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace vlm::kernels::internal {
+namespace {
+
+#define VLM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+VLM_TARGET inline __m512i BroadcastPair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+template <int R>
+VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
+                             float* out) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = k / 2;
+  const uint16_t* b = panel;
+  for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kPanelCols);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)BroadcastPair(x + r * ld_x + 2 * p);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+    }
+  }
+  if (k & 1) {  // last pair is (x[k-1], 0); the panel holds (w[n, k-1], 0)
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kPanelCols);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ld_x + k - 1]);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(out + r * kPanelCols, acc0[r]);
+    _mm512_store_ps(out + r * kPanelCols + 16, acc1[r]);
+  }
+}
+
+VLM_TARGET void MicroDispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
+                              const uint16_t* panel, float* acc) {
+  switch (rows) {
+    case 1: return Micro<1>(x, ld_x, k, panel, acc);
+    case 2: return Micro<2>(x, ld_x, k, panel, acc);
+    case 3: return Micro<3>(x, ld_x, k, panel, acc);
+    case 4: return Micro<4>(x, ld_x, k, panel, acc);
+    case 5: return Micro<5>(x, ld_x, k, panel, acc);
+    case 6: return Micro<6>(x, ld_x, k, panel, acc);
+    case 7: return Micro<7>(x, ld_x, k, panel, acc);
+    case 8: return Micro<8>(x, ld_x, k, panel, acc);
+    case 9: return Micro<9>(x, ld_x, k, panel, acc);
+    case 10: return Micro<10>(x, ld_x, k, panel, acc);
+    case 11: return Micro<11>(x, ld_x, k, panel, acc);
+    default: return Micro<12>(x, ld_x, k, panel, acc);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Epilogue math in f32.
+
+// exp(x), x clamped to [-87.3, 88.7] (Cephes expf: range reduction by ln 2,
+// degree-5 polynomial, ~1 ulp).
+VLM_TARGET inline __m512 Exp(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+// v·sigmoid(s·v'): 0.5·v·(1 + tanh(u)) = v / (1 + exp(-2u)), no cancellation.
+VLM_TARGET inline __m512 GeluTanh(__m512 v) {
+  const __m512 v3 = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), v3, v));
+  const __m512 e = Exp(_mm512_mul_ps(u, _mm512_set1_ps(-2.0f)));
+  return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+// erf(z): rational approximation on [-4, 4] (odd degree-13 over even degree-8
+// polynomial, |error| ~1e-7), ±1 beyond.
+VLM_TARGET inline __m512 Erf(__m512 z) {
+  z = _mm512_min_ps(_mm512_max_ps(z, _mm512_set1_ps(-4.0f)), _mm512_set1_ps(4.0f));
+  const __m512 z2 = _mm512_mul_ps(z, z);
+  __m512 p = _mm512_set1_ps(-2.72614225801306e-10f);
+  p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(2.77068142495902e-08f));
+  p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(-2.10102402082508e-06f));
+  p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(-5.69250639462346e-05f));
+  p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(-7.34990630326855e-04f));
+  p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(-2.95459980854025e-03f));
+  p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(-1.60960333262415e-02f));
+  p = _mm512_mul_ps(p, z);
+  __m512 q = _mm512_set1_ps(-1.45660718464996e-05f);
+  q = _mm512_fmadd_ps(q, z2, _mm512_set1_ps(-2.13374055278905e-04f));
+  q = _mm512_fmadd_ps(q, z2, _mm512_set1_ps(-1.68282697438203e-03f));
+  q = _mm512_fmadd_ps(q, z2, _mm512_set1_ps(-7.37332916720468e-03f));
+  q = _mm512_fmadd_ps(q, z2, _mm512_set1_ps(-1.42647390514189e-02f));
+  return _mm512_div_ps(p, q);
+}
+
+VLM_TARGET inline __m512 GeluErf(__m512 v) {
+  const __m512 e = Erf(_mm512_mul_ps(v, _mm512_set1_ps(0.7071067811865476f)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
+                       _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+VLM_TARGET inline __m512 Silu(__m512 g) {
+  const __m512 e = Exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+VLM_TARGET inline __m512 LoadMasked(const void* base, bool bf16, int64_t index, __mmask16 mask) {
+  if (bf16) {
+    const __m256i h =
+        _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + index);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + index);
+}
+
+VLM_TARGET inline void StoreMasked(void* base, bool bf16, int64_t index, __mmask16 mask,
+                                   __m512 v) {
+  if (bf16) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + index, mask, h);
+  } else {
+    _mm512_mask_storeu_ps(static_cast<float*>(base) + index, mask, v);
+  }
+}
+
+VLM_TARGET inline __mmask16 MaskFor(int64_t valid) {
+  return valid >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << (valid > 0 ? valid : 0)) - 1u);
+}
+
+}  // namespace
+
+VLM_TARGET void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel,
+                          const float* acc) {
+  const int64_t col0 = e.gate_up ? panel * 16 : panel * kPanelCols;
+  const int vecs = e.gate_up ? 1 : 2;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    const float* a = acc + r * kPanelCols;
+    for (int h = 0; h < vecs; ++h) {
+      const int64_t c = col0 + 16 * h;
+      const __mmask16 mask = MaskFor(e.n - c);
+      if (mask == 0) break;
+      __m512 v = _mm512_load_ps(a + 16 * h);
+      if (e.gate_up) {
+        v = _mm512_mul_ps(Silu(v), _mm512_load_ps(a + 16));
+      } else {
+        if (e.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, e.bias + c));
+        if (e.activation == Activation::kGeluTanh) v = GeluTanh(v);
+        else if (e.activation == Activation::kGeluErf) v = GeluErf(v);
+      }
+      if (e.residual != nullptr) {
+        v = _mm512_add_ps(v, LoadMasked(e.residual, e.residual_bf16, m * e.ld_residual + c, mask));
+      }
+      StoreMasked(e.y, e.y_bf16, m * e.ld_y + c, mask, v);
+    }
+  }
+}
+
+VLM_TARGET void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
+                                    const uint16_t* panel, float* acc) {
+  MicroDispatch(x, ld_x, rows, k, panel, acc);
+  _mm256_zeroupper();
+}
+
+VLM_TARGET void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0,
+                                int64_t j1) {
+  alignas(64) float acc[kMicroRows * kPanelCols];
+  for (int64_t m = m0; m < m1; m += kMicroRows) {
+    const int rows = static_cast<int>(m1 - m < kMicroRows ? m1 - m : kMicroRows);
+    const uint16_t* x = p.x + m * p.ld_x;
+    for (int64_t j = j0; j < j1; ++j) {
+      MicroDispatch(x, p.ld_x, rows, p.w.k, p.w.panel(j), acc);
+      StoreTile(p.epilogue, m, rows, j, acc);
+    }
+  }
+  // Callers run SSE code next: leave the upper vector state clean.
+  _mm256_zeroupper();
+}
+
+}  // namespace vlm::kernels::internal
