@@ -35,6 +35,7 @@ template <int R>
 VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
                              float* out) {
   __m512 acc0[R], acc1[R];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     acc0[r] = _mm512_setzero_ps();
     acc1[r] = _mm512_setzero_ps();
@@ -44,6 +45,7 @@ VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const u
   for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
     const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
     const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kPanelCols);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)BroadcastPair(x + r * ld_x + 2 * p);
       acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
@@ -53,12 +55,14 @@ VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const u
   if (k & 1) {  // last pair is (x[k-1], 0); the panel holds (w[n, k-1], 0)
     const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
     const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kPanelCols);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ld_x + k - 1]);
       acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
       acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     _mm512_store_ps(out + r * kPanelCols, acc0[r]);
     _mm512_store_ps(out + r * kPanelCols + 16, acc1[r]);
