@@ -7,6 +7,7 @@
 
 #include <strings.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -122,6 +123,15 @@ ComputeDType ChooseComputeDType(ComputeDType requested, std::string* warning) {
     return ComputeDType::kFloat32;
   }
   return requested;
+}
+
+absl::StatusOr<ComputeDType> ParseComputeDType(std::string_view value) {
+  std::string v(value);
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (v == "bf16" || v == "bfloat16") return ComputeDType::kBFloat16;
+  if (v == "f32" || v == "float32") return ComputeDType::kFloat32;
+  return absl::InvalidArgumentError("compute dtype must be bf16 or f32 (also bfloat16, float32), got \"" +
+                                    std::string(value) + "\"");
 }
 
 const char* ComputeDTypeName(ComputeDType dtype) {

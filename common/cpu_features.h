@@ -6,6 +6,9 @@
 #pragma once
 
 #include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
 
 namespace vlm {
 
@@ -45,6 +48,9 @@ int UsableCores();
 enum class ComputeDType { kBFloat16, kFloat32 };
 ComputeDType ChooseComputeDType(ComputeDType requested, std::string* warning);
 const char* ComputeDTypeName(ComputeDType dtype);  // "bfloat16" / "float32"
+// The --compute_dtype value every service accepts: bf16 or f32 (also
+// bfloat16, float32; any case). INVALID_ARGUMENT names the accepted values.
+absl::StatusOr<ComputeDType> ParseComputeDType(std::string_view value);
 
 // f32 matmuls go to OpenBLAS, which picks its kernels from CPUID when it is
 // loaded. OpenBLAS 0.3.21 does not recognise some newer CPUs and falls back to
