@@ -32,59 +32,91 @@ VLM_TARGET inline __m512i BroadcastPair(const uint16_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-template <int R>
+// R rows x P panels (32·P columns): 2·R·P accumulators. Small R takes several
+// panels at once so that enough independent sums are in flight to hide the
+// VDPBF16PS latency; each sum still runs over the pairs in order.
+// out: P tiles of [kMicroRows][32] floats, tile q at out + q·kMicroRows·32.
+template <int R, int P>
 VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
-                             float* out) {
-  __m512 acc0[R], acc1[R];
+                             int64_t panel_stride, float* out) {
+  __m512 acc[P][2][R];
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q)
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = _mm512_setzero_ps();
-    acc1[r] = _mm512_setzero_ps();
-  }
+    for (int r = 0; r < R; ++r) acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
   const int64_t pairs = k / 2;
   const uint16_t* b = panel;
   for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kPanelCols);
+    __m512bh bv[P][2];
+#pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) {
+      bv[q][0] = (__m512bh)_mm512_load_si512(b + q * panel_stride);
+      bv[q][1] = (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)BroadcastPair(x + r * ld_x + 2 * p);
-      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
-      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+#pragma GCC unroll 8
+      for (int q = 0; q < P; ++q) {
+        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a, bv[q][0]);
+        acc[q][1][r] = _mm512_dpbf16_ps(acc[q][1][r], a, bv[q][1]);
+      }
     }
   }
   if (k & 1) {  // last pair is (x[k-1], 0); the panel holds (w[n, k-1], 0)
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(b);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(b + kPanelCols);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ld_x + k - 1]);
-      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
-      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+#pragma GCC unroll 8
+      for (int q = 0; q < P; ++q) {
+        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a,
+                                        (__m512bh)_mm512_load_si512(b + q * panel_stride));
+        acc[q][1][r] = _mm512_dpbf16_ps(
+            acc[q][1][r], a, (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols));
+      }
     }
   }
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q) {
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(out + r * kPanelCols, acc0[r]);
-    _mm512_store_ps(out + r * kPanelCols + 16, acc1[r]);
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols, acc[q][0][r]);
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16, acc[q][1][r]);
+    }
   }
 }
 
+// Panels computed together for a tile of `rows` rows.
+constexpr int PanelsFor(int rows) { return rows == 1 ? 6 : rows == 2 ? 3 : rows <= 5 ? 2 : 1; }
+constexpr int kMaxPanels = 6;
+
+// Micro<R, panels> for panels ≤ PanelsFor(R).
+template <int R, int P = PanelsFor(R)>
+VLM_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
+                          int64_t panel_stride, int panels, float* out) {
+  if constexpr (P > 1) {
+    if (panels < P) return MicroRows<R, P - 1>(x, ld_x, k, panel, panel_stride, panels, out);
+  }
+  Micro<R, P>(x, ld_x, k, panel, panel_stride, out);
+}
+
+// `panels` (≤ PanelsFor(rows)) consecutive panels for `rows` rows.
 VLM_TARGET void MicroDispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
-                              const uint16_t* panel, float* acc) {
+                              const uint16_t* panel, int64_t panel_stride, int panels,
+                              float* acc) {
   switch (rows) {
-    case 1: return Micro<1>(x, ld_x, k, panel, acc);
-    case 2: return Micro<2>(x, ld_x, k, panel, acc);
-    case 3: return Micro<3>(x, ld_x, k, panel, acc);
-    case 4: return Micro<4>(x, ld_x, k, panel, acc);
-    case 5: return Micro<5>(x, ld_x, k, panel, acc);
-    case 6: return Micro<6>(x, ld_x, k, panel, acc);
-    case 7: return Micro<7>(x, ld_x, k, panel, acc);
-    case 8: return Micro<8>(x, ld_x, k, panel, acc);
-    case 9: return Micro<9>(x, ld_x, k, panel, acc);
-    case 10: return Micro<10>(x, ld_x, k, panel, acc);
-    case 11: return Micro<11>(x, ld_x, k, panel, acc);
-    default: return Micro<12>(x, ld_x, k, panel, acc);
+    case 1: return MicroRows<1>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 2: return MicroRows<2>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 3: return MicroRows<3>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 4: return MicroRows<4>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 5: return MicroRows<5>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 6: return MicroRows<6>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 7: return MicroRows<7>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 8: return MicroRows<8>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 9: return MicroRows<9>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 10: return MicroRows<10>(x, ld_x, k, panel, panel_stride, panels, acc);
+    case 11: return MicroRows<11>(x, ld_x, k, panel, panel_stride, panels, acc);
+    default: return MicroRows<12>(x, ld_x, k, panel, panel_stride, panels, acc);
   }
 }
 
@@ -187,19 +219,24 @@ VLM_TARGET void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel
 
 VLM_TARGET void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                                     const uint16_t* panel, float* acc) {
-  MicroDispatch(x, ld_x, rows, k, panel, acc);
+  MicroDispatch(x, ld_x, rows, k, panel, 0, 1, acc);
   _mm256_zeroupper();
 }
 
 VLM_TARGET void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0,
                                 int64_t j1) {
-  alignas(64) float acc[kMicroRows * kPanelCols];
+  alignas(64) float acc[kMaxPanels * kMicroRows * kPanelCols];
+  const int64_t stride = p.w.kpairs * 2 * kPanelCols;
   for (int64_t m = m0; m < m1; m += kMicroRows) {
     const int rows = static_cast<int>(m1 - m < kMicroRows ? m1 - m : kMicroRows);
+    const int group = PanelsFor(rows);
     const uint16_t* x = p.x + m * p.ld_x;
-    for (int64_t j = j0; j < j1; ++j) {
-      MicroDispatch(x, p.ld_x, rows, p.w.k, p.w.panel(j), acc);
-      StoreTile(p.epilogue, m, rows, j, acc);
+    for (int64_t j = j0; j < j1; j += group) {
+      const int panels = static_cast<int>(j1 - j < group ? j1 - j : group);
+      MicroDispatch(x, p.ld_x, rows, p.w.k, p.w.panel(j), stride, panels, acc);
+      for (int q = 0; q < panels; ++q) {
+        StoreTile(p.epilogue, m, rows, j + q, acc + q * kMicroRows * kPanelCols);
+      }
     }
   }
   // Callers run SSE code next: leave the upper vector state clean.
