@@ -9,7 +9,13 @@
 //      split by OpenMP instead (at::parallel_for, one Gemm per thread), amx
 //      (where present), at::linear; the kernel's share of the peak and its
 //      ratio to at::linear.
-//   2. "No cliffs": every M in 1..--cliff_max on 2048->6144, time per row;
+//   2. One thread, GFLOP per second of the thread's own CPU time
+//      (CLOCK_THREAD_CPUTIME_ID): time the thread was descheduled does not
+//      count, so this table stays meaningful on a machine shared with other
+//      work; kernel and at::linear (1 intra-op thread) against the 1-thread peak.
+//   3. "No cliffs": every M in 1..--cliff_max on 2048->6144, time per row on
+//      one thread in thread CPU time (the shape's tiling decides cliffs, and
+//      thread CPU time keeps other processes' load out of the comparison);
 //      a cliff is a step M-1 -> M where the time per row rises by more than
 //      1.3x. Summarised per 64 rows; flagged M listed.
 //
@@ -27,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -61,6 +68,14 @@ std::string LoadAverage() {
   return a + " " + b + " " + c;
 }
 
+double ThreadCpuSeconds(const std::function<void()>& fn) {
+  timespec a, b;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+  fn();
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
+  return (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
+}
+
 double Seconds(const std::function<void()>& fn) {
   const auto t0 = Clock::now();
   fn();
@@ -92,13 +107,16 @@ double OnThreads(int threads, const std::function<void(int)>& fn) {
 // 24 independent accumulators, operands in registers: the VDPBF16PS issue rate.
 __attribute__((target("avx512f,avx512bf16"), noinline)) float Avx512Bf16Loop(int64_t iters) {
   __m512 acc[24];
+#pragma GCC unroll 24
   for (int i = 0; i < 24; ++i) acc[i] = _mm512_setzero_ps();
   __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = (__m512bh)_mm512_set1_epi32(0x00010001);
   for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 24
     for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
     __asm__ volatile("" : "+v"(a), "+v"(b));
   }
   __m512 s = acc[0];
+#pragma GCC unroll 24
   for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, acc[i]);
   return _mm512_reduce_add_ps(s);
 }
@@ -194,6 +212,7 @@ int ArgInt(int argc, char** argv, const char* name, int fallback) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as rows finish
   const int threads = ArgInt(argc, argv, "--threads", 2);
   const int reps = std::max(1, ArgInt(argc, argv, "--reps", 5));
   const int cliff_max = ArgInt(argc, argv, "--cliff_max", 1024);
@@ -276,6 +295,42 @@ int main(int argc, char** argv) {
     }
   }
 
+  // --- one thread, per CPU-second ---
+  {
+    at::set_num_threads(1);
+    std::vector<double> p1;
+    for (int r = 0; r < 3; ++r) {
+      p1.push_back(static_cast<double>(20'000'000) * 24 * 64 /
+                   ThreadCpuSeconds([] { Avx512Bf16Loop(20'000'000); }) / 1e9);
+    }
+    const double peak1 = Median(p1);
+    std::printf("\n## One thread, GFLOP per CPU-second of the thread (median of %d); 1-thread peak "
+                "%.0f\n\n", reps, peak1);
+    std::printf("| shape | M | kernel | at::linear | kernel %% of peak | kernel / at::linear |\n");
+    std::printf("|---|---|---|---|---|---|\n");
+    for (const Shape& s : shapes) {
+      Problem p;
+      p.w = at::randn({s.n, s.k}).mul_(0.05).to(at::kBFloat16);
+      p.packed = *PackedWeight::Pack(p.w, {}, GemmPath::kAvx512Bf16);
+      for (int64_t m : {int64_t{256}, int64_t{1024}}) {
+        p.x = at::randn({m, s.k}).to(at::kBFloat16);
+        p.y = at::empty({m, s.n}, at::kBFloat16);
+        const double flop = 2.0 * m * s.n * s.k;
+        std::vector<double> tk, tt;
+        for (int r = 0; r <= reps; ++r) {
+          const double a = ThreadCpuSeconds([&] { RunKernel(p, 1, GemmPath::kAvx512Bf16); });
+          const double b = ThreadCpuSeconds([&] { RunTorch(p); });
+          if (r > 0) tk.push_back(a), tt.push_back(b);
+        }
+        const double gk = flop / Median(tk) / 1e9, gt = flop / Median(tt) / 1e9;
+        std::printf("| %s | %lld | %.0f | %.0f | %.0f%% | %.2fx |\n", s.name,
+                    static_cast<long long>(m), gk, gt, 100 * gk / peak1, gk / gt);
+        std::fflush(stdout);
+      }
+    }
+    at::set_num_threads(threads);
+  }
+
   // --- cliffs ---
   if (cliff_max > 0) {
     const int64_t k = 2048, n = 6144;
@@ -285,12 +340,13 @@ int main(int argc, char** argv) {
     const at::Tensor x_all = at::randn({cliff_max, k}).to(at::kBFloat16);
     const at::Tensor y_all = at::empty({cliff_max, n}, at::kBFloat16);
     std::vector<std::vector<double>> tk(cliff_max + 1), tt(cliff_max + 1);
+    at::set_num_threads(1);
     for (int r = 0; r < cliff_reps; ++r) {
       for (int64_t m = 1; m <= cliff_max; ++m) {
         p.x = x_all.narrow(0, 0, m);
         p.y = y_all.narrow(0, 0, m);
-        tk[m].push_back(Seconds([&] { RunKernel(p, threads, std::nullopt); }));
-        tt[m].push_back(Seconds([&] { RunTorch(p); }));
+        tk[m].push_back(ThreadCpuSeconds([&] { RunKernel(p, 1, std::nullopt); }));
+        tt[m].push_back(ThreadCpuSeconds([&] { RunTorch(p); }));
       }
     }
     std::vector<double> rk(cliff_max + 1), rt(cliff_max + 1);  // µs per row
@@ -298,8 +354,8 @@ int main(int argc, char** argv) {
       rk[m] = Median(tk[m]) * 1e6 / m;
       rt[m] = Median(tt[m]) * 1e6 / m;
     }
-    std::printf("\n## No cliffs: 2048->6144, every M in 1..%d, time per row (µs, median of %d), "
-                "default path %s vs at::linear\n",
+    std::printf("\n## No cliffs: 2048->6144, every M in 1..%d, one thread, time per row (µs of "
+                "thread CPU time, median of %d), default path %s vs at::linear\n",
                 cliff_max, cliff_reps, vlm::kernels::GemmPathName(vlm::kernels::DefaultGemmPath()));
     std::printf("A cliff: the time per row rises by more than 1.3x from M-1 to M.\n\n");
     std::printf("| M range | kernel µs/row min..max | kernel worst rise | kernel cliffs | at::linear µs/row min..max | at::linear worst rise | at::linear cliffs |\n");
