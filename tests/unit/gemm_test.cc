@@ -92,7 +92,9 @@ TEST_P(GemmPathTest, MatchesMatmulOnRandomShapesWithTails) {
   const std::vector<Case> cases = {{1, 1, 1},     {1, 33, 17},   {2, 31, 64},  {3, 64, 31},
                                    {5, 100, 96},  {11, 47, 129}, {12, 32, 32}, {13, 65, 95},
                                    {31, 96, 257}, {97, 160, 63}, {257, 33, 130},
-                                   {1000, 50, 40}, {4096, 40, 33}};
+                                   {1000, 50, 40}, {4096, 40, 33},
+                                   // K split into blocks (> 1280), odd and even
+                                   {5, 40, 2049},  {29, 100, 3000}};
   for (const Case& c : cases) {
     const at::Tensor x = at::randn({c.m, c.k});
     const at::Tensor w = at::randn({c.n, c.k}) * 0.1;
@@ -173,7 +175,8 @@ TEST_P(GemmPathTest, GateUpGivesSiluTimesUp) {
 
 TEST_P(GemmPathTest, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   if (GetParam() == GemmPath::kTorch) GTEST_SKIP() << "the torch path promises no row invariance";
-  const int64_t m = 301, n = 200, k = 333;
+  for (int64_t k : {333, 2561}) {  // one K block, and K split into blocks
+  const int64_t m = 301, n = 200;
   const at::Tensor x = at::randn({m, k}).to(at::kBFloat16), w = at::randn({n, k});
   const PackedWeight pw = Pack(w, at::randn({n}));
   GemmOptions o;
@@ -189,8 +192,10 @@ TEST_P(GemmPathTest, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
       absl::StatusOr<at::Tensor> part = Gemm(x.narrow(0, begin, len), pw, o);
       ASSERT_TRUE(part.ok()) << part.status();
       EXPECT_TRUE(at::equal(*part, full->narrow(0, begin, len)))
-          << "rows " << begin << ".." << begin + len - 1 << " with " << threads << " threads";
+          << "rows " << begin << ".." << begin + len - 1 << " with " << threads << " threads, K "
+          << k;
     }
+  }
   }
 }
 
