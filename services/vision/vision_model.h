@@ -31,7 +31,8 @@ struct VisionModelOptions {
   int64_t attention_query_tile = 1024;
   // bf16 compute through the project's kernels (common/kernels: prepacked
   // GEMM with fused bias/GELU/residual, flash attention) where the CPU runs
-  // them (AVX-512 BF16); false keeps LibTorch for every step (the previous
+  // them (AVX-512 BF16) and LibTorch would not use AMX (on AMX CPUs only when
+  // the GEMM path is amx); false keeps LibTorch for every step (the previous
   // path, kept for comparison). float32 compute always uses LibTorch.
   bool use_kernels = true;
 };

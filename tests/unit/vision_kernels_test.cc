@@ -8,7 +8,9 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include "common/cpu_features.h"
 #include "common/kernels/flash_attention.h"
+#include "common/kernels/gemm.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "services/vision/vision_model.h"
@@ -32,6 +34,9 @@ class VisionKernelsTest : public ::testing::Test {
   void SetUp() override {
     at::set_num_threads(2);
     if (!kernels::FlashAttentionSupported()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
+    if (GetCpuFeatures().amx_bf16 && kernels::DefaultGemmPath() != kernels::GemmPath::kAmx) {
+      GTEST_SKIP() << "AMX CPU: the ViT keeps oneDNN's AMX unless VLM_GEMM_PATH=amx";
+    }
     auto checkpoint = SafetensorsCheckpoint::Open(CheckpointDir());
     ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
     checkpoint_ = std::move(*checkpoint);
