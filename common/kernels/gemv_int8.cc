@@ -26,13 +26,16 @@ constexpr int64_t kBlock = 32;  // activation quantization block
 constexpr int kRowTile = 4;
 
 // x quantized: xq [B][k_padded] int8, d [B][k_padded / 32] f32, and for the
-// VNNI path the scales expanded per 64-wide chunk: [B][k_padded/64][16]
-// (lanes 0-7 block 2c, lanes 8-15 block 2c+1, matching VPDPBUSD's lanes).
+// VNNI path, per 64-wide chunk and VPDPBUSD lane (4 consecutive k): the scales
+// [B][k_padded/64][16] (lanes 0-7 block 2c, lanes 8-15 block 2c+1) and the
+// start values -128·Σ of the lane's 4 xq [B][k_padded/64][16], which cancel
+// the +128 of the stored weights.
 struct QuantizedX {
   int64_t batch = 0, k_padded = 0;
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<float> d_lanes;
+  std::vector<int32_t> bias_lanes;
 };
 
 void QuantizeX(const at::Tensor& x, int64_t k_padded, QuantizedX* out) {
@@ -44,6 +47,7 @@ void QuantizeX(const at::Tensor& x, int64_t k_padded, QuantizedX* out) {
   out->q.assign(batch * k_padded, 0);
   out->d.assign(batch * blocks, 0.0f);
   out->d_lanes.resize(batch * (k_padded / 64) * 16);
+  out->bias_lanes.resize(batch * (k_padded / 64) * 16);
   const float* src = xf.data_ptr<float>();
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -61,6 +65,9 @@ void QuantizeX(const at::Tensor& x, int64_t k_padded, QuantizedX* out) {
     for (int64_t c = 0; c < k_padded / 64; ++c) {
       for (int l = 0; l < 16; ++l) {
         out->d_lanes[(b * (k_padded / 64) + c) * 16 + l] = out->d[b * blocks + 2 * c + l / 8];
+        int32_t sum = 0;
+        for (int j = 0; j < 4; ++j) sum += out->q[b * k_padded + c * 64 + 4 * l + j];
+        out->bias_lanes[(b * (k_padded / 64) + c) * 16 + l] = -128 * sum;
       }
     }
   }
@@ -81,13 +88,15 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
                 int64_t r1) {
   const int64_t blocks = x.k_padded / kBlock;
   for (int64_t r = r0; r < r1; ++r) {
-    const int8_t* wr = w.row(r);
+    const uint8_t* wr = w.row(r);
     for (int64_t b = 0; b < x.batch; ++b) {
       const int8_t* xr = x.q.data() + b * x.k_padded;
       float sum = 0;
       for (int64_t blk = 0; blk < blocks; ++blk) {
         int32_t isum = 0;
-        for (int64_t i = blk * kBlock; i < (blk + 1) * kBlock; ++i) isum += int32_t{xr[i]} * wr[i];
+        for (int64_t i = blk * kBlock; i < (blk + 1) * kBlock; ++i) {
+          isum += int32_t{xr[i]} * (int32_t{wr[i]} - 128);
+        }
         sum += x.d[b * blocks + blk] * static_cast<float>(isum);
       }
       out.Store(b, r, w.scales()[r] * sum);
@@ -105,26 +114,23 @@ VLM_TARGET_VNNI inline void TileVnni(const QuantizedX& x, int64_t b0, const Quan
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
   const int64_t kp = x.k_padded, chunks = kp / 64;
-  const int8_t* wrow[R];
+  const uint8_t* wrow[R];
   for (int r = 0; r < R; ++r) wrow[r] = w.row(r0 + r);
-  const __m512i zero = _mm512_setzero_si512();
   for (int64_t c = 0; c < chunks; ++c) {
-    __m512i xv[NB];
+    __m512i xv[NB], bias[NB];
     __m512 dv[NB];
     for (int b = 0; b < NB; ++b) {
       xv[b] = _mm512_loadu_si512(x.q.data() + (b0 + b) * kp + c * 64);
       dv[b] = _mm512_loadu_ps(x.d_lanes.data() + ((b0 + b) * chunks + c) * 16);
+      bias[b] = _mm512_loadu_si512(x.bias_lanes.data() + ((b0 + b) * chunks + c) * 16);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(wrow[r] + c * 64 + R * kp), _MM_HINT_T0);
       const __m512i wv = _mm512_load_si512(wrow[r] + c * 64);
-      const __m512i aw = _mm512_abs_epi8(wv);
-      const __mmask64 neg = _mm512_movepi8_mask(wv);
 #pragma GCC unroll 8
       for (int b = 0; b < NB; ++b) {
-        const __m512i sx = _mm512_mask_sub_epi8(xv[b], neg, zero, xv[b]);
-        const __m512i dot = _mm512_dpbusd_epi32(zero, aw, sx);
+        const __m512i dot = _mm512_dpbusd_epi32(bias[b], wv, xv[b]);  // exact Σ q·xq per lane
         acc[b][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv[b], acc[b][r]);
       }
     }

@@ -7,9 +7,10 @@
 // times the rest); one scale per row would spend the 8 bits on them and round
 // every other channel of the row coarsely (gemv_int8_test measures both).
 //
-// Paths: avx512vnni (VPDPBUSD on |q| as u8 times sign(q)·xq as s8, exact int32
-// sums per 4 products, f32 accumulation of the block-scaled sums) and scalar
-// (the same integer sums, summed in order); they agree to f32 rounding.
+// Paths: avx512vnni (VPDPBUSD on the stored q + 128 as u8 times xq as s8,
+// started from -128·Σxq of each 4-group so the int32 sums are exactly Σ q·xq;
+// f32 accumulation of the block-scaled sums) and scalar (the same integer
+// sums, summed in order); they agree to f32 rounding.
 // VLM_GEMV_INT8_PATH=avx512vnni|scalar|auto forces one for the process.
 // Threads: output rows split over common/kernels/thread_pool.h.
 // Thread-safe; x and w are only read.

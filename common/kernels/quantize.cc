@@ -27,9 +27,9 @@ absl::StatusOr<QuantizedWeight> QuantizeInt8(const at::Tensor& w) {
     q.k_ = wf.size(1);
     q.k_padded_ = (q.k_ + 63) / 64 * 64;
     const size_t bytes = static_cast<size_t>(std::max<int64_t>(1, q.n_ * q.k_padded_));
-    q.data_ = std::shared_ptr<int8_t>(
-        static_cast<int8_t*>(::operator new(bytes, std::align_val_t(64))),
-        [](int8_t* p) { ::operator delete(p, std::align_val_t(64)); });
+    q.data_ = std::shared_ptr<uint8_t>(
+        static_cast<uint8_t*>(::operator new(bytes, std::align_val_t(64))),
+        [](uint8_t* p) { ::operator delete(p, std::align_val_t(64)); });
     q.scales_ = std::shared_ptr<float>(new float[std::max<int64_t>(1, q.n_)],
                                        std::default_delete<float[]>());
     const float* src = wf.data_ptr<float>();
@@ -46,12 +46,12 @@ absl::StatusOr<QuantizedWeight> QuantizeInt8(const at::Tensor& w) {
         if (!finite) bad_row.store(r);
         const float scale = amax / 127.0f;
         const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-        int8_t* dst = q.data_.get() + r * q.k_padded_;
+        uint8_t* dst = q.data_.get() + r * q.k_padded_;
         for (int64_t i = 0; i < q.k_; ++i) {
-          const float v = std::nearbyint(row[i] * inv);
-          dst[i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+          const float v = std::clamp(std::nearbyint(row[i] * inv), -127.0f, 127.0f);
+          dst[i] = static_cast<uint8_t>(static_cast<int>(v) + 128);
         }
-        std::memset(dst + q.k_, 0, q.k_padded_ - q.k_);
+        std::memset(dst + q.k_, 128, q.k_padded_ - q.k_);
         q.scales_.get()[r] = scale;
       }
     });
@@ -71,8 +71,7 @@ at::Tensor DequantizeInt8(const QuantizedWeight& w) {
   at::Tensor out = at::empty({w.n(), w.k()}, at::kFloat);
   float* dst = out.data_ptr<float>();
   for (int64_t r = 0; r < w.n(); ++r) {
-    const int8_t* row = w.row(r);
-    for (int64_t i = 0; i < w.k(); ++i) dst[r * w.k() + i] = w.scales()[r] * row[i];
+    for (int64_t i = 0; i < w.k(); ++i) dst[r * w.k() + i] = w.scales()[r] * w.value(r, i);
   }
   return out;
 }

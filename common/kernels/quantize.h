@@ -3,9 +3,11 @@
 // row). Quantized once at load from bf16/f32 checkpoint weights; halves the
 // bytes a decode step streams compared with bf16.
 //
-// Layout: q row-major [N, k_padded], k_padded = round_up(K, 64), padding 0,
-// 64-byte aligned rows (what the VNNI GEMV reads). Immutable after creation;
-// copies share the data; thread-safe to read.
+// Layout: row-major [N, k_padded] bytes holding q + 128 (unsigned: the VNNI
+// GEMV feeds them to VPDPBUSD's unsigned operand and corrects with the
+// activations' sums), k_padded = round_up(K, 64), padding q = 0, 64-byte
+// aligned rows. Immutable after creation; copies share the data; thread-safe
+// to read.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +25,10 @@ class QuantizedWeight {
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
   int64_t k_padded() const { return k_padded_; }
-  const int8_t* row(int64_t i) const { return data_.get() + i * k_padded_; }
+  // Row i as stored: q + 128 per element.
+  const uint8_t* row(int64_t i) const { return data_.get() + i * k_padded_; }
+  // q[r, i] in [-127, 127].
+  int value(int64_t r, int64_t i) const { return int{row(r)[i]} - 128; }
   const float* scales() const { return scales_.get(); }
   bool empty() const { return data_ == nullptr; }
   // Bytes held: int8 rows (with padding) + f32 scales.
@@ -33,7 +38,7 @@ class QuantizedWeight {
 
  private:
   friend absl::StatusOr<QuantizedWeight> QuantizeInt8(const at::Tensor& w);
-  std::shared_ptr<int8_t> data_;
+  std::shared_ptr<uint8_t> data_;
   std::shared_ptr<float> scales_;
   int64_t n_ = 0, k_ = 0, k_padded_ = 0;
 };

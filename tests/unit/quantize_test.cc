@@ -28,9 +28,9 @@ TEST(QuantizeTest, RoundTripErrorIsAtMostHalfAStepPerChannel) {
     for (int64_t r = 0; r < q->n(); ++r) {
       EXPECT_FLOAT_EQ(q->scales()[r], amax[r].item<float>() / 127.0f);
       int max_q = 0;
-      for (int64_t i = 0; i < q->k(); ++i) max_q = std::max(max_q, std::abs(int{q->row(r)[i]}));
+      for (int64_t i = 0; i < q->k(); ++i) max_q = std::max(max_q, std::abs(q->value(r, i)));
       EXPECT_EQ(max_q, 127) << "the largest weight of a row maps to ±127";
-      for (int64_t i = q->k(); i < q->k_padded(); ++i) EXPECT_EQ(q->row(r)[i], 0);
+      for (int64_t i = q->k(); i < q->k_padded(); ++i) EXPECT_EQ(q->value(r, i), 0);
     }
     EXPECT_EQ(q->bytes(), 37u * 128 + 37u * 4);
   }
@@ -42,7 +42,8 @@ TEST(QuantizeTest, ZeroRowsGetZeroScaleAndZeros) {
   absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
   ASSERT_TRUE(q.ok());
   EXPECT_EQ(q->scales()[0], 0.0f);
-  EXPECT_EQ(q->row(1)[5], -127);
+  EXPECT_EQ(q->value(1, 5), -127);
+  EXPECT_EQ(q->row(1)[5], 1);  // stored as q + 128
   EXPECT_TRUE(at::equal(DequantizeInt8(*q), w));
 }
 
