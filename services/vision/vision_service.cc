@@ -327,10 +327,12 @@ struct VisionService::Metrics {
       .Register(r).Add({});
   Family<prometheus::Gauge>& weights = prometheus::BuildGauge()
       .Name("vlm_vision_weights_bytes")
-      .Help("ViT weight bytes: used in place from the mapping, or converted into memory.")
+      .Help("ViT weight bytes: used in place from the mapping, converted into memory, or "
+            "repacked for the compute kernels.")
       .Register(r);
   prometheus::Gauge& weights_borrowed = weights.Add({{"kind", "mapped"}});
   prometheus::Gauge& weights_converted = weights.Add({{"kind", "converted"}});
+  prometheus::Gauge& weights_packed = weights.Add({{"kind", "packed"}});
 
   static Metrics* Get() {
     static Metrics* metrics = new Metrics();
@@ -585,6 +587,7 @@ absl::Status VisionService::Load() {
     LogInfo(kLog, "vision model loaded", {{"summary", model_->load_summary()}});
     metrics_->weights_borrowed.Set(static_cast<double>(model_->borrowed_weight_bytes()));
     metrics_->weights_converted.Set(static_cast<double>(model_->converted_weight_bytes()));
+    metrics_->weights_packed.Set(static_cast<double>(model_->packed_weight_bytes()));
   }
   const FeatureDType cached_dtype = CachedDType(model_->compute_dtype());
   feature_dtype_size_ = FeatureDTypeSize(cached_dtype);
