@@ -1,10 +1,18 @@
 #include "common/cpu_features.h"
 
 #include <dlfcn.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <strings.h>
 
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 namespace vlm {
 namespace {
@@ -21,7 +29,10 @@ CpuFeatures Detect() {
   f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
 #if defined(__GNUC__) && __GNUC__ >= 12
   f.amx_bf16 = __builtin_cpu_supports("amx-bf16");
+  f.amx_int8 = __builtin_cpu_supports("amx-int8");
+  f.amx_tile = __builtin_cpu_supports("amx-tile");
 #endif
+  f.avx512vnni = __builtin_cpu_supports("avx512vnni");
 #endif
   return f;
 }
@@ -41,7 +52,9 @@ std::string CpuFeatures::Describe() const {
   add(avx512vl, "avx512vl");
   add(avx512dq, "avx512dq");
   add(avx512bf16, "avx512bf16");
+  add(avx512vnni, "avx512vnni");
   add(amx_bf16, "amx-bf16");
+  add(amx_int8, "amx-int8");
   if (s.empty()) s = "(no avx2/avx512)";
   s += fast_bf16_matmul() ? " -> bf16 matmul: oneDNN AVX-512" : " -> bf16 matmul: slow, use float32";
   return s;
@@ -50,6 +63,55 @@ std::string CpuFeatures::Describe() const {
 const CpuFeatures& GetCpuFeatures() {
   static const CpuFeatures features = Detect();
   return features;
+}
+
+bool RequestAmxPermission(std::string* why) {
+  struct Result {
+    bool granted = false;
+    std::string why;
+  };
+  static const Result result = [] {
+    Result r;
+    const CpuFeatures& f = GetCpuFeatures();
+    if (!f.amx_tile || !f.amx_bf16) {
+      r.why = "the CPU has no AMX-BF16 tiles";
+      return r;
+    }
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+      r.why = std::string("the kernel refused AMX tile state (arch_prctl: ") +
+              std::strerror(errno) + ")";
+      return r;
+    }
+    r.granted = true;
+#else
+    r.why = "AMX tile state can only be requested on Linux";
+#endif
+    return r;
+  }();
+  if (!result.granted && why != nullptr) *why = result.why;
+  return result.granted;
+}
+
+int UsableCores() {
+  int cores = 0;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) cores = CPU_COUNT(&set);
+  if (cores <= 0) cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  // cgroup v2: "max 100000" (no limit) or "<quota> <period>".
+  std::ifstream cpu_max("/sys/fs/cgroup/cpu.max");
+  std::string quota, period;
+  if (cpu_max >> quota >> period && quota != "max") {
+    const double q = std::atof(quota.c_str()), p = std::atof(period.c_str());
+    if (q > 0 && p > 0) {
+      const int limit = static_cast<int>(std::ceil(q / p));
+      if (limit > 0 && limit < cores) cores = limit;
+    }
+  }
+  return cores > 0 ? cores : 1;
 }
 
 ComputeDType ChooseComputeDType(ComputeDType requested, std::string* warning) {
@@ -61,6 +123,15 @@ ComputeDType ChooseComputeDType(ComputeDType requested, std::string* warning) {
     return ComputeDType::kFloat32;
   }
   return requested;
+}
+
+absl::StatusOr<ComputeDType> ParseComputeDType(std::string_view value) {
+  std::string v(value);
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (v == "bf16" || v == "bfloat16") return ComputeDType::kBFloat16;
+  if (v == "f32" || v == "float32") return ComputeDType::kFloat32;
+  return absl::InvalidArgumentError("compute dtype must be bf16 or f32 (also bfloat16, float32), got \"" +
+                                    std::string(value) + "\"");
 }
 
 const char* ComputeDTypeName(ComputeDType dtype) {

@@ -7,7 +7,9 @@
 //                       [--tiles 128,256,512,1024] [--blocks-kib 1024,4096,65536]
 //                       [--repeats 3]
 // Prints a table: time per call (median), GFLOP/s, fraction of the GEMM rate,
-// share of the time spent outside the two matmuls.
+// share of the time spent outside the two matmuls; for bf16 also the flash
+// kernel (common/kernels/flash_attention.h) on the same inputs, as tile
+// "flash", with its speed-up over the best tiled row above it.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -21,6 +23,7 @@
 #include <ATen/Parallel.h>
 
 #include "common/cpu_features.h"
+#include "common/kernels/flash_attention.h"
 #include "common/nn.h"
 
 namespace {
@@ -88,6 +91,7 @@ int main(int argc, char** argv) {
     at::Tensor v = at::randn({n, heads, head_dim}, opts);
     const at::Tensor kh = k.transpose(0, 1).contiguous(), vh = v.transpose(0, 1).contiguous();
     const double flops = 4.0 * double(n) * n * head_dim * heads;  // q·kᵀ and p·v
+    double best_tiled = 1e30;
     for (int64_t tile : tiles) {
       for (int64_t block : blocks_kib) {
         vlm::nn::AttentionOptions o;
@@ -112,10 +116,24 @@ int main(int argc, char** argv) {
           }
         });
         const double gflops = flops / s / 1e9;
+        best_tiled = std::min(best_tiled, s);
         std::printf("%8ld %6ld %9ld %10.1f %12.1f %9.0f %9.0f%% %8.0f%%\n", long(n), long(tile),
                     long(block), s * 1e3, mm * 1e3, gflops, 100.0 * gflops / gemm_gflops,
                     100.0 * (s - mm) / s);
       }
+    }
+    if (dtype == at::kBFloat16 && vlm::kernels::FlashAttentionSupported()) {
+      const std::vector<int64_t> cu = {0, n};
+      const double s = MedianSeconds(repeats, [&] {
+        if (!vlm::kernels::SegmentedFlashAttention(q, k, v, cu, 1.0 / std::sqrt(double(head_dim)))
+                 .ok()) {
+          std::abort();
+        }
+      });
+      const double gflops = flops / s / 1e9;
+      std::printf("%8ld %6s %9s %10.1f %12s %9.0f %9.0f%% %8s  (%.2fx the best tiled)\n", long(n),
+                  "flash", "-", s * 1e3, "-", gflops, 100.0 * gflops / gemm_gflops, "-",
+                  best_tiled / s);
     }
   }
   return 0;

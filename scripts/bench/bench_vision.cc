@@ -6,7 +6,10 @@
 //
 // Prints one table:
 //   - encode time per image size (median of --bench_runs in-process calls,
-//     after one warm-up call): preprocessing and the ViT forward separately;
+//     after one warm-up call): preprocessing and the ViT forward separately,
+//     the forward both through the project's kernels (the service's model,
+//     --vision_kernels) and through the previous LibTorch path (a second model
+//     loaded with use_kernels=false), interleaved run by run;
 //   - the ViT's FLOPs from the shapes (patch embed; per block qkv, attention
 //     scores and values, proj, MLP) and the compute bound = FLOPs / the
 //     machine's bf16 matmul FLOP/s, measured with at::matmul in the same run
@@ -27,6 +30,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,6 +41,8 @@
 #include "common/cpu_features.h"
 #include "common/flags.h"
 #include "common/metrics.h"
+#include "common/model_config.h"
+#include "common/safetensors.h"
 #include "common/server.h"
 #include "common/sha256.h"
 #include "services/vision/preprocess.h"
@@ -46,12 +52,21 @@
 
 ABSL_FLAG(int, bench_threads, 2, "intra-op threads for the matmul bound and the encodes");
 ABSL_FLAG(int, bench_runs, 5, "timed encodes per size (after one warm-up); the median is shown");
-ABSL_FLAG(std::string, bench_sizes, "448,896,1344", "square image sides to encode");
+ABSL_FLAG(std::string, bench_sizes, "448,896", "square image sides to encode");
 ABSL_FLAG(int, bench_hit_requests, 50, "gRPC cache-hit requests timed per kind");
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// CPU time of the calling thread: with --bench_threads=1 every step of both
+// paths runs on this thread, and time spent descheduled (a shared machine)
+// does not count.
+double ThreadCpuNow() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -202,15 +217,40 @@ int main(int argc, char** argv) {
               "warm-up\n",
               config->model_dir.c_str(), vlm::GetCpuFeatures().Describe().c_str(),
               vlm::ComputeDTypeName(model.compute_dtype()), threads, runs);
-  std::printf("load + warm-up %.2f s\n", load_s);
+  std::printf("load + warm-up %.2f s; %s\n", load_s, model.load_summary().c_str());
+  // The previous path, for comparison: same checkpoint, LibTorch for every step.
+  absl::StatusOr<std::unique_ptr<vlm::SafetensorsCheckpoint>> checkpoint =
+      vlm::SafetensorsCheckpoint::Open(config->model_dir);
+  absl::StatusOr<vlm::ModelConfig> model_config = vlm::LoadModelConfig(config->model_dir);
+  if (!checkpoint.ok() || !model_config.ok()) {
+    std::fprintf(stderr, "open %s: %s\n", config->model_dir.c_str(),
+                 (!checkpoint.ok() ? checkpoint.status() : model_config.status()).ToString().c_str());
+    return 1;
+  }
+  vlm::VisionModelOptions old_options;
+  old_options.compute_dtype = config->compute_dtype;
+  old_options.attention_query_tile = config->attention_query_tile;
+  old_options.use_kernels = false;
+  absl::StatusOr<std::unique_ptr<vlm::VisionModel>> old_model =
+      vlm::VisionModel::Load(**checkpoint, *model_config, old_options);
+  if (!old_model.ok()) {
+    std::fprintf(stderr, "load (LibTorch path): %s\n", old_model.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("new = %s; old = LibTorch (at::linear, tiled attention)\n",
+              model.uses_kernels() ? "project kernels (packed GEMM, flash attention)"
+                                   : "LibTorch too (kernels not in use here)");
   std::printf("bound = ViT FLOPs / the %s matmul rate (at::matmul, best of 1024^3 and "
               "4096x1024x4096),\n        measured just before and after each row's encodes "
               "(mean; the machine is shared)\n\n",
               at::toString(dtype));
 
   // --- encode time per size, in-process model calls ----------------------
-  std::printf("%-11s %7s %8s %7s %10s %8s %9s %9s %7s\n", "image", "patches", "GFLOP", "attn %",
-              "mm GFLOP/s", "pre ms", "ViT ms", "bound ms", "ratio");
+  std::printf("ViT ms: wall time; cpu ms: the calling thread's CPU time (all of the work only "
+              "with --bench_threads=1)\n\n");
+  std::printf("| image | patches | GFLOP | attn %% | mm GFLOP/s | pre ms | old ViT ms | new ViT ms | "
+              "speedup | bound ms | old/bound | new/bound | old cpu ms | new cpu ms | cpu speedup |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   struct Row {
     int side;
     std::string png;
@@ -228,7 +268,7 @@ int main(int argc, char** argv) {
     at::Tensor pixels = at::from_blob(const_cast<float*>(p.pixel_values.data()),
                                       {p.num_patches(), p.patch_dim}, at::kFloat);
     const vlm::GridThw grid = {p.grid_t, p.grid_h, p.grid_w};
-    std::vector<double> pre_s, vit_s;
+    std::vector<double> pre_s, vit_s, old_s, vit_cpu, old_cpu;
     const double matmul_before = MeasureMatmulFlops(dtype);
     for (int run = 0; run <= runs; ++run) {
       auto t0 = Clock::now();
@@ -236,8 +276,14 @@ int main(int argc, char** argv) {
           vlm::vision::PreprocessImage(image, service.default_options());
       const double pre = Seconds(t0);
       t0 = Clock::now();
+      double c0 = ThreadCpuNow();
       absl::StatusOr<vlm::VisionFeatures> out = model.Forward(pixels, {grid});
-      const double vit = Seconds(t0);
+      const double vit = Seconds(t0), vit_c = ThreadCpuNow() - c0;
+      t0 = Clock::now();
+      c0 = ThreadCpuNow();
+      absl::StatusOr<vlm::VisionFeatures> old_out = (*old_model)->Forward(pixels, {grid});
+      const double old_vit = Seconds(t0), old_c = ThreadCpuNow() - c0;
+      if (out.ok() && !old_out.ok()) out = old_out.status();
       if (!again.ok() || !out.ok()) {
         std::fprintf(stderr, "encode %d: %s\n", side,
                      (!again.ok() ? again.status() : out.status()).ToString().c_str());
@@ -246,15 +292,20 @@ int main(int argc, char** argv) {
       if (run == 0) continue;  // warm-up
       pre_s.push_back(pre);
       vit_s.push_back(vit);
+      old_s.push_back(old_vit);
+      vit_cpu.push_back(vit_c);
+      old_cpu.push_back(old_c);
     }
     const double matmul_flops = 0.5 * (matmul_before + MeasureMatmulFlops(dtype));
     const VitFlops flops = CountFlops(model.config(), model.patch_dim(), p.num_patches());
     const double bound = flops.total() / matmul_flops;
-    const double vit = Median(vit_s);
-    std::printf("%4dx%-6d %7lld %8.0f %6.0f%% %10.0f %8.1f %9.1f %9.1f %6.2fx\n", side, side,
-                static_cast<long long>(p.num_patches()), flops.total() / 1e9,
+    const double vit = Median(vit_s), old_vit = Median(old_s);
+    const double vit_c = Median(vit_cpu), old_c = Median(old_cpu);
+    std::printf("| %dx%d | %lld | %.0f | %.0f%% | %.0f | %.1f | %.1f | %.1f | %.2fx | %.1f | %.2fx | %.2fx | %.0f | %.0f | %.2fx |\n",
+                side, side, static_cast<long long>(p.num_patches()), flops.total() / 1e9,
                 100 * flops.attention / flops.total(), matmul_flops / 1e9, 1e3 * Median(pre_s),
-                1e3 * vit, 1e3 * bound, vit / bound);
+                1e3 * old_vit, 1e3 * vit, old_vit / vit, 1e3 * bound, old_vit / bound, vit / bound,
+                1e3 * old_c, 1e3 * vit_c, old_c / vit_c);
     std::fflush(stdout);
     images.push_back({side, EncodePng(image)});
   }

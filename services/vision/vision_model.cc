@@ -12,6 +12,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/kernels/flash_attention.h"
+#include "common/kernels/gemm.h"
 #include "common/log.h"
 #include "common/nn.h"
 
@@ -37,11 +39,14 @@ struct VisionModel::Weights {
     at::Tensor norm2_weight, norm2_bias;          // [hidden]
     at::Tensor fc1_weight, fc1_bias;              // [intermediate, hidden], [intermediate]
     at::Tensor fc2_weight, fc2_bias;              // [hidden, intermediate], [hidden]
+    // The same linears repacked for common/kernels (bias included), when used.
+    kernels::PackedWeight qkv, proj, fc1, fc2;
   };
   at::Tensor patch_embed_weight;  // [hidden, patch_dim] (the Conv3d kernel flattened)
   at::Tensor patch_embed_bias;    // [hidden]
   at::Tensor pos_embed;           // [grid², hidden], row = r·grid + c
   std::vector<Block> blocks;
+  kernels::PackedWeight patch_embed;  // packed patch_embed_weight + bias, when used
   bool mlp_gelu_tanh = true;      // "gelu_pytorch_tanh"; false: exact GELU ("gelu")
 };
 
@@ -207,13 +212,51 @@ absl::StatusOr<std::unique_ptr<VisionModel>> VisionModel::Load(
   } catch (const std::exception& e) {
     return FromTorch("vision model load", e);
   }
+  // bf16 through the project's kernels: pack every linear once. The packed
+  // copies replace the originals, which are dropped (a borrowed mapping can
+  // then be released by the checkpoint's owner).
+  std::string kernel_note = "LibTorch";
+  if (model->compute_dtype_ == ComputeDType::kBFloat16 && options.use_kernels) {
+    const kernels::GemmPath path = kernels::DefaultGemmPath();
+    if (path == kernels::GemmPath::kTorch || !kernels::FlashAttentionSupported()) {
+      kernel_note = "LibTorch (this CPU has no AVX-512 BF16 for the project's kernels)";
+    } else if (GetCpuFeatures().amx_bf16 && path != kernels::GemmPath::kAmx) {
+      // oneDNN runs AMX here (~3x the AVX-512 BF16 rate) while the project's
+      // AMX path is not yet verified on such a machine (VLM_GEMM_PATH=amx forces it).
+      kernel_note = "LibTorch (oneDNN uses AMX on this CPU; the project's AMX path is opt-in)";
+    } else {
+      auto pack = [&](at::Tensor* w, at::Tensor* b, kernels::PackedWeight* out) -> absl::Status {
+        absl::StatusOr<kernels::PackedWeight> p = kernels::PackedWeight::Pack(*w, *b, path);
+        if (!p.ok()) return p.status();
+        *out = *std::move(p);
+        model->packed_bytes_ += out->bytes();
+        *w = at::Tensor();
+        *b = at::Tensor();
+        return absl::OkStatus();
+      };
+      absl::Status s = pack(&weights->patch_embed_weight, &weights->patch_embed_bias,
+                            &weights->patch_embed);
+      for (Weights::Block& b : weights->blocks) {
+        if (s.ok()) s = pack(&b.qkv_weight, &b.qkv_bias, &b.qkv);
+        if (s.ok()) s = pack(&b.proj_weight, &b.proj_bias, &b.proj);
+        if (s.ok()) s = pack(&b.fc1_weight, &b.fc1_bias, &b.fc1);
+        if (s.ok()) s = pack(&b.fc2_weight, &b.fc2_bias, &b.fc2);
+      }
+      if (!s.ok()) return s;
+      model->uses_kernels_ = true;
+      kernel_note = absl::StrCat("kernels (gemm ", kernels::GemmPathName(path),
+                                 ", flash attention), ", model->packed_bytes_ >> 10,
+                                 " KiB packed");
+    }
+  }
   model->weights_ = std::move(weights);
   model->borrowed_bytes_ = reader.borrowed_bytes();
   model->converted_bytes_ = reader.converted_bytes();
   model->load_summary_ = absl::StrCat(
       "vision tower: ", c.depth, " blocks, hidden ", hidden, ", compute ",
       ComputeDTypeName(model->compute_dtype_), ", weights ", model->borrowed_bytes_ >> 10,
-      " KiB in place + ", model->converted_bytes_ >> 10, " KiB converted; cpu: ",
+      " KiB in place + ", model->converted_bytes_ >> 10, " KiB converted; compute: ",
+      kernel_note, "; cpu: ",
       GetCpuFeatures().Describe(), warnings.empty() ? "" : "; " + warnings);
   return model;
 }
@@ -322,6 +365,7 @@ absl::StatusOr<VisionFeatures> VisionModel::Forward(const at::Tensor& pixel_valu
         grids.size(), " image(s) sum to ", total, " patches"));
   }
 
+  if (uses_kernels_) return ForwardKernels(pixel_values, grids, cu_seqlens);
   try {
     const Weights& wt = *weights_;
     const at::ScalarType dtype = ToScalarType(compute_dtype_);
@@ -367,6 +411,83 @@ absl::StatusOr<VisionFeatures> VisionModel::Forward(const at::Tensor& pixel_valu
         if (c.deepstack_visual_indexes[j] == i) out.deepstack[j] = x;
       }
     }
+    out.last_hidden = x;
+    return out;
+  } catch (const std::exception& e) {
+    return FromTorch("vision forward", e);
+  }
+}
+
+// The same steps through common/kernels (bf16): every linear is one packed
+// GEMM with its bias, GELU or residual add fused into the store, attention
+// is the flash kernel over each image's rows. Inputs are validated by Forward.
+absl::StatusOr<VisionFeatures> VisionModel::ForwardKernels(
+    const at::Tensor& pixel_values, absl::Span<const GridThw> grids,
+    absl::Span<const int64_t> cu_seqlens) const {
+  const VisionConfig& c = config_;
+  const int64_t merge = c.spatial_merge_size;
+  try {
+    const Weights& wt = *weights_;
+    const int64_t n = pixel_values.size(0), heads = c.num_heads, head_dim = c.head_dim();
+    auto gemm = [](const at::Tensor& in, const kernels::PackedWeight& w,
+                   kernels::Activation act, const at::Tensor& residual) -> absl::StatusOr<at::Tensor> {
+      kernels::GemmOptions o;
+      o.activation = act;
+      o.residual = residual;
+      o.out_dtype = at::kBFloat16;
+      return kernels::Gemm(in, w, o);
+    };
+#define VLM_TRY(dst, expr)                          \
+  do {                                              \
+    absl::StatusOr<at::Tensor> r_ = (expr);         \
+    if (!r_.ok()) return r_.status();               \
+    dst = *std::move(r_);                           \
+  } while (0)
+    const kernels::Activation none = kernels::Activation::kNone;
+
+    // §4.1 patch embedding: x [N, hidden] = pixel_values · Wpeᵀ + b (x rounded to bf16 first)
+    at::Tensor x;
+    VLM_TRY(x, gemm(pixel_values, wt.patch_embed, none, at::Tensor()));
+
+    // §4.2 + position embedding; §4.3 rotary tables, per image, in merge order
+    std::vector<at::Tensor> pos, cos, sin;
+    for (const GridThw& thw : grids) {
+      pos.push_back(PositionEmbedding(wt.pos_embed, c.pos_grid(), thw, merge));
+      auto [cs, sn] = RotaryCosSin(thw, head_dim, merge);
+      cos.push_back(std::move(cs));
+      sin.push_back(std::move(sn));
+    }
+    x = x + at::cat(pos, 0).to(at::kBFloat16);
+    pos.clear();
+    const at::Tensor rot_cos = at::cat(cos, 0), rot_sin = at::cat(sin, 0);  // [N, head_dim] f32
+    const double scale = 1.0 / std::sqrt(double(head_dim));
+    const kernels::Activation gelu =
+        wt.mlp_gelu_tanh ? kernels::Activation::kGeluTanh : kernels::Activation::kGeluErf;
+
+    // §4.4 blocks; §4.5 taps are block outputs
+    VisionFeatures out;
+    out.deepstack.resize(c.deepstack_visual_indexes.size());
+    for (int64_t i = 0; i < c.depth; ++i) {
+      const Weights::Block& b = wt.blocks[i];
+      // attention: qkv [N, 3, heads, head_dim]
+      at::Tensor h = nn::LayerNorm(x, b.norm1_weight, b.norm1_bias, kLayerNormEps);
+      at::Tensor qkv;
+      VLM_TRY(qkv, gemm(h, b.qkv, none, at::Tensor()));
+      qkv = qkv.view({n, 3, heads, head_dim});
+      const at::Tensor q = nn::ApplyRotary(qkv.select(1, 0), rot_cos, rot_sin);
+      const at::Tensor k = nn::ApplyRotary(qkv.select(1, 1), rot_cos, rot_sin);
+      at::Tensor o;
+      VLM_TRY(o, kernels::SegmentedFlashAttention(q, k, qkv.select(1, 2), cu_seqlens, scale));
+      VLM_TRY(x, gemm(o.view({n, c.hidden_size}), b.proj, none, x));  // x + proj(o)
+      // MLP: x + fc2(gelu(fc1(norm2(x))))
+      h = nn::LayerNorm(x, b.norm2_weight, b.norm2_bias, kLayerNormEps);
+      VLM_TRY(h, gemm(h, b.fc1, gelu, at::Tensor()));
+      VLM_TRY(x, gemm(h, b.fc2, none, x));
+      for (size_t j = 0; j < c.deepstack_visual_indexes.size(); ++j) {
+        if (c.deepstack_visual_indexes[j] == i) out.deepstack[j] = x;
+      }
+    }
+#undef VLM_TRY
     out.last_hidden = x;
     return out;
   } catch (const std::exception& e) {

@@ -29,6 +29,12 @@ struct VisionModelOptions {
   ComputeDType compute_dtype = ComputeDType::kBFloat16;
   // Queries per attention tile: scores never exceed [heads, tile, patches of the image].
   int64_t attention_query_tile = 1024;
+  // bf16 compute through the project's kernels (common/kernels: prepacked
+  // GEMM with fused bias/GELU/residual, flash attention) where the CPU runs
+  // them (AVX-512 BF16) and LibTorch would not use AMX (on AMX CPUs only when
+  // the GEMM path is amx); false keeps LibTorch for every step (the previous
+  // path, kept for comparison). float32 compute always uses LibTorch.
+  bool use_kernels = true;
 };
 
 // (t, h, w) of one image in patches, as preprocessing reports it (grid_thw).
@@ -64,12 +70,19 @@ class VisionModel {
   // Bytes of weights used in place from the mapping / converted into memory at Load.
   uint64_t borrowed_weight_bytes() const { return borrowed_bytes_; }
   uint64_t converted_weight_bytes() const { return converted_bytes_; }
+  // Bytes of linear weights repacked for the kernels at Load (0 on the LibTorch path).
+  uint64_t packed_weight_bytes() const { return packed_bytes_; }
+  // Whether Forward runs through common/kernels (see VisionModelOptions::use_kernels).
+  bool uses_kernels() const { return uses_kernels_; }
   // What Load decided and why (CPU path, dtype fallback), for the startup log.
   const std::string& load_summary() const { return load_summary_; }
 
  private:
   struct Weights;
   VisionModel() = default;
+  absl::StatusOr<VisionFeatures> ForwardKernels(const at::Tensor& pixel_values,
+                                                absl::Span<const GridThw> grids,
+                                                absl::Span<const int64_t> cu_seqlens) const;
 
   VisionConfig config_;
   ComputeDType compute_dtype_ = ComputeDType::kFloat32;
@@ -77,6 +90,8 @@ class VisionModel {
   std::unique_ptr<const Weights> weights_;
   uint64_t borrowed_bytes_ = 0;
   uint64_t converted_bytes_ = 0;
+  uint64_t packed_bytes_ = 0;
+  bool uses_kernels_ = false;
   std::string load_summary_;
 };
 

@@ -37,11 +37,17 @@
 // ---------------------------------------------------------------------------
 ABSL_FLAG(std::string, model_dir, "", "checkpoint directory (config.json, *.safetensors, "
                                       "preprocessor_config.json)");
-ABSL_FLAG(std::string, compute_dtype, "bfloat16",
-          "ViT compute dtype: bfloat16 (float32 on CPUs without AVX-512) or float32");
+ABSL_FLAG(std::string, compute_dtype, "bf16",
+          "ViT compute dtype: bf16 (float32 on CPUs without AVX-512) or f32; also bfloat16, "
+          "float32 (the same values as every service)");
 ABSL_FLAG(int64_t, attention_query_tile, 1024,
           "queries per attention tile: bounds the score tensor to heads x tile x patches");
-ABSL_FLAG(int, intra_op_threads, 1, "LibTorch intra-op threads per encode worker");
+ABSL_FLAG(int, intra_op_threads, 0,
+          "compute threads per encode worker (kernels and LibTorch); 0 = the cores this "
+          "process may use (CPU affinity, capped by a cgroup cpu.max quota)");
+ABSL_FLAG(bool, vision_kernels, true,
+          "bf16 ViT through the project's kernels (packed GEMM, flash attention) where the CPU "
+          "has AVX-512 BF16; false: LibTorch for every step");
 ABSL_FLAG(int, encode_workers, 1, "ViT encodes running at once");
 ABSL_FLAG(int, encode_queue_size, 16,
           "encodes waiting for a worker; more are refused with RESOURCE_EXHAUSTED");
@@ -165,17 +171,13 @@ bool IsDecodable(ImageFormat format) {
 absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
   VisionServiceConfig c;
   c.model_dir = absl::GetFlag(FLAGS_model_dir);
-  const std::string dtype = absl::AsciiStrToLower(absl::GetFlag(FLAGS_compute_dtype));
-  if (dtype == "bfloat16" || dtype == "bf16") {
-    c.compute_dtype = ComputeDType::kBFloat16;
-  } else if (dtype == "float32" || dtype == "f32") {
-    c.compute_dtype = ComputeDType::kFloat32;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--compute_dtype must be bfloat16 or float32, got \"", dtype, "\""));
-  }
+  absl::StatusOr<ComputeDType> dtype = ParseComputeDType(absl::GetFlag(FLAGS_compute_dtype));
+  if (!dtype.ok()) return absl::InvalidArgumentError("--" + std::string(dtype.status().message()));
+  c.compute_dtype = *dtype;
+  c.use_kernels = absl::GetFlag(FLAGS_vision_kernels);
   c.attention_query_tile = absl::GetFlag(FLAGS_attention_query_tile);
   c.intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
+  if (c.intra_op_threads == 0) c.intra_op_threads = UsableCores();
   c.encode_workers = absl::GetFlag(FLAGS_encode_workers);
   c.encode_queue_size = absl::GetFlag(FLAGS_encode_queue_size);
   c.warmup_runs = absl::GetFlag(FLAGS_warmup_runs);
@@ -205,12 +207,12 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
 
 std::string VisionServiceConfig::Describe() const {
   return absl::StrFormat(
-      "model_dir=%s compute_dtype=%s attention_query_tile=%d intra_op_threads=%d "
+      "model_dir=%s compute_dtype=%s vision_kernels=%d attention_query_tile=%d intra_op_threads=%d "
       "encode_workers=%d encode_queue_size=%d warmup_runs=%d max_encoded_bytes=%d "
       "max_decoded_pixels=%d min_image_side=%d min_pixels_limit=%d max_pixels_limit=%d "
       "max_response_bytes=%d cache_max_bytes=%d cache_max_entries=%d cache_ttl=%s cache_dir=%s cache_disk_max_bytes=%d "
       "replica=%s",
-      model_dir, ComputeDTypeName(compute_dtype), attention_query_tile, intra_op_threads,
+      model_dir, ComputeDTypeName(compute_dtype), use_kernels, attention_query_tile, intra_op_threads,
       encode_workers, encode_queue_size, warmup_runs, decode_limits.max_encoded_bytes,
       decode_limits.max_decoded_pixels, min_image_side, min_pixels_limit, max_pixels_limit,
       max_response_bytes, cache.max_bytes, cache.max_entries, absl::FormatDuration(cache.ttl),
@@ -325,10 +327,12 @@ struct VisionService::Metrics {
       .Register(r).Add({});
   Family<prometheus::Gauge>& weights = prometheus::BuildGauge()
       .Name("vlm_vision_weights_bytes")
-      .Help("ViT weight bytes: used in place from the mapping, or converted into memory.")
+      .Help("ViT weight bytes: used in place from the mapping, converted into memory, or "
+            "repacked for the compute kernels.")
       .Register(r);
   prometheus::Gauge& weights_borrowed = weights.Add({{"kind", "mapped"}});
   prometheus::Gauge& weights_converted = weights.Add({{"kind", "converted"}});
+  prometheus::Gauge& weights_packed = weights.Add({{"kind", "packed"}});
 
   static Metrics* Get() {
     static Metrics* metrics = new Metrics();
@@ -575,6 +579,7 @@ absl::Status VisionService::Load() {
     VisionModelOptions model_options;
     model_options.compute_dtype = c.compute_dtype;
     model_options.attention_query_tile = c.attention_query_tile;
+    model_options.use_kernels = c.use_kernels;
     absl::StatusOr<std::unique_ptr<VisionModel>> model =
         VisionModel::Load(*checkpoint_, *model_config, model_options);
     if (!model.ok()) return model.status();
@@ -582,6 +587,7 @@ absl::Status VisionService::Load() {
     LogInfo(kLog, "vision model loaded", {{"summary", model_->load_summary()}});
     metrics_->weights_borrowed.Set(static_cast<double>(model_->borrowed_weight_bytes()));
     metrics_->weights_converted.Set(static_cast<double>(model_->converted_weight_bytes()));
+    metrics_->weights_packed.Set(static_cast<double>(model_->packed_weight_bytes()));
   }
   const FeatureDType cached_dtype = CachedDType(model_->compute_dtype());
   feature_dtype_size_ = FeatureDTypeSize(cached_dtype);

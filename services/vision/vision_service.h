@@ -64,7 +64,8 @@ struct VisionServiceConfig {
   std::string model_dir;  // HF checkpoint directory (config.json, *.safetensors, preprocessor_config.json)
   ComputeDType compute_dtype = ComputeDType::kBFloat16;
   int64_t attention_query_tile = 1024;
-  int intra_op_threads = 1;   // at::set_num_threads in every encode worker
+  bool use_kernels = true;    // VisionModelOptions::use_kernels (--vision_kernels)
+  int intra_op_threads = 1;   // at::set_num_threads in every encode worker (flag default: the usable cores)
   int encode_workers = 1;     // ViT forwards running at once
   int encode_queue_size = 16; // encodes waiting for a worker; beyond: RESOURCE_EXHAUSTED
   int warmup_runs = 1;        // forwards on a generated image before SERVING

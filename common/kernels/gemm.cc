@@ -1,0 +1,431 @@
+// Gemm dispatch, weight packing and the work split; the ISA kernels live in
+// gemm_avx512bf16.cc and gemm_amx.cc.
+#include "common/kernels/gemm.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/cpu_features.h"
+#include "common/kernels/gemm_internal.h"
+#include "common/kernels/thread_pool.h"
+
+namespace vlm::kernels {
+
+// AMX joins the automatic choice only once a run on an AMX machine has
+// verified it (gemm_test with VLM_GEMM_PATH unset passes there and
+// vlm-bench-gemm shows it ahead): then set this to true.
+constexpr bool kAmxInAutomaticChoice = false;
+
+using internal::kPanelCols;
+
+struct PackedWeight::Impl {
+  GemmPath path = GemmPath::kAvx512Bf16;
+  int64_t n = 0, k = 0;
+  bool gate_up = false;
+  // blocked family
+  uint16_t* panels = nullptr;  // 64-byte aligned, owned
+  int64_t kpairs = 0, count = 0;
+  std::vector<float> bias;  // [n] or empty
+  // torch family
+  at::Tensor weight, up_weight;  // bf16 [n, k]
+  at::Tensor bias_tensor;        // f32 [n] or undefined
+  uint64_t bytes = 0;
+
+  ~Impl() { ::operator delete(panels, std::align_val_t(64)); }
+  internal::Panels view() const { return {panels, k, kpairs, count}; }
+};
+
+namespace {
+
+bool IsBlocked(GemmPath p) { return p != GemmPath::kTorch; }
+
+GemmPath ReadDefaultPath() {
+  const char* env = std::getenv("VLM_GEMM_PATH");
+  if (env == nullptr || *env == '\0') return AutoGemmPath();
+  absl::StatusOr<GemmPath> p = ParseGemmPath(env);
+  if (!p.ok()) {
+    std::fprintf(stderr, "VLM_GEMM_PATH ignored: %s\n", std::string(p.status().message()).c_str());
+    return AutoGemmPath();
+  }
+  std::string missing;
+  if (!GemmPathSupported(*p, &missing)) {
+    std::fprintf(stderr, "VLM_GEMM_PATH=%s ignored: %s\n", env, missing.c_str());
+    return AutoGemmPath();
+  }
+  return *p;
+}
+
+absl::Status CheckWeight(const at::Tensor& w, const char* what) {
+  if (!w.defined() || w.device().type() != at::kCPU || w.dim() != 2 ||
+      (w.scalar_type() != at::kBFloat16 && w.scalar_type() != at::kFloat)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be a 2-D bf16 or f32 CPU tensor [N, K]; got ",
+                     w.defined() ? w.toString() : std::string("undefined")));
+  }
+  if (w.size(0) == 0 || w.size(1) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is empty: [", w.size(0), ", ",
+                                                   w.size(1), "]"));
+  }
+  return absl::OkStatus();
+}
+
+// bf16 contiguous copy or view of w.
+at::Tensor AsBf16(const at::Tensor& w) {
+  return w.to(at::kBFloat16).contiguous();
+}
+
+absl::StatusOr<GemmPath> ResolvePath(std::optional<GemmPath> path) {
+  const GemmPath p = path.value_or(DefaultGemmPath());
+  std::string missing;
+  if (!GemmPathSupported(p, &missing)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("gemm path ", GemmPathName(p), " is not usable here: ", missing));
+  }
+  return p;
+}
+
+absl::StatusOr<PackedWeight> PackImpl(const at::Tensor& w, const at::Tensor& up,
+                                      const at::Tensor& bias, std::optional<GemmPath> path,
+                                      std::shared_ptr<PackedWeight::Impl>* out) {
+  absl::StatusOr<GemmPath> p = ResolvePath(path);
+  if (!p.ok()) return p.status();
+  auto impl = std::make_shared<PackedWeight::Impl>();
+  impl->path = *p;
+  impl->n = w.size(0);
+  impl->k = w.size(1);
+  impl->gate_up = up.defined();
+  if (bias.defined()) {
+    if (bias.dim() != 1 || bias.size(0) != impl->n || !bias.is_floating_point()) {
+      return absl::InvalidArgumentError(absl::StrCat("bias must be a floating-point [", impl->n,
+                                                     "] tensor; got ", bias.toString(), " ",
+                                                     bias.dim(), "-D"));
+    }
+  }
+  try {
+    if (!IsBlocked(*p)) {
+      const at::Tensor wb = AsBf16(w);
+      if (wb.data_ptr() != w.data_ptr()) impl->bytes += wb.nbytes();
+      impl->weight = wb;
+      if (up.defined()) {
+        impl->up_weight = AsBf16(up);
+        if (impl->up_weight.data_ptr() != up.data_ptr()) impl->bytes += impl->up_weight.nbytes();
+      }
+      if (bias.defined()) {
+        impl->bias_tensor = bias.to(at::kFloat).contiguous();
+        impl->bytes += impl->bias_tensor.nbytes();
+      }
+    } else {
+      const at::Tensor wb = AsBf16(w);
+      const at::Tensor ub = up.defined() ? AsBf16(up) : at::Tensor();
+      impl->kpairs = (impl->k + 31) / 32 * 16;
+      const int64_t cols_per_panel = impl->gate_up ? 16 : kPanelCols;
+      impl->count = (impl->n + cols_per_panel - 1) / cols_per_panel;
+      const size_t elems = static_cast<size_t>(impl->count * impl->kpairs * 2 * kPanelCols);
+      impl->panels = static_cast<uint16_t*>(
+          ::operator new(elems * sizeof(uint16_t), std::align_val_t(64)));
+      impl->bytes += elems * sizeof(uint16_t);
+      internal::PackPanels(reinterpret_cast<const uint16_t*>(wb.data_ptr()), wb.stride(0),
+                           ub.defined() ? reinterpret_cast<const uint16_t*>(ub.data_ptr()) : nullptr,
+                           ub.defined() ? ub.stride(0) : 0, impl->n, impl->k, impl->gate_up,
+                           impl->panels, impl->kpairs, impl->count);
+      if (bias.defined()) {
+        const at::Tensor bf = bias.to(at::kFloat).contiguous();
+        impl->bias.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + impl->n);
+        impl->bytes += impl->n * sizeof(float);
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("gemm: out of memory packing a weight");
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("gemm pack: ", e.what_without_backtrace()));
+  }
+  *out = std::move(impl);
+  return PackedWeight();
+}
+
+}  // namespace
+
+namespace internal {
+
+void PackPanels(const uint16_t* w, int64_t ld, const uint16_t* up, int64_t ld_up, int64_t n,
+                int64_t k, bool gate_up, uint16_t* out, int64_t kpairs, int64_t count) {
+  const int64_t panel_elems = kpairs * 2 * kPanelCols;
+  ParallelFor(count, 0, 4, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      uint16_t* dst = out + j * panel_elems;
+      std::memset(dst, 0, panel_elems * sizeof(uint16_t));
+      for (int c = 0; c < kPanelCols; ++c) {
+        const uint16_t* src;
+        int64_t row;
+        if (gate_up) {
+          row = j * 16 + (c % 16);
+          src = c < 16 ? w + row * ld : up + row * ld_up;
+        } else {
+          row = j * kPanelCols + c;
+          src = w + row * ld;
+        }
+        if (row >= n) continue;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          dst[(kk / 2) * 2 * kPanelCols + 2 * c + (kk & 1)] = src[kk];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace internal
+
+// ---------------------------------------------------------------------------
+// Paths
+
+const char* GemmPathName(GemmPath path) {
+  switch (path) {
+    case GemmPath::kAmx: return "amx";
+    case GemmPath::kAvx512Bf16: return "avx512bf16";
+    case GemmPath::kTorch: return "torch";
+  }
+  return "?";
+}
+
+absl::StatusOr<GemmPath> ParseGemmPath(std::string_view name) {
+  if (name == "auto") return AutoGemmPath();
+  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kTorch}) {
+    if (name == GemmPathName(p)) return p;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown gemm path '", std::string(name),
+                                                 "'; expected amx, avx512bf16, torch or auto"));
+}
+
+bool GemmPathSupported(GemmPath path, std::string* missing) {
+  const CpuFeatures& f = GetCpuFeatures();
+  std::string why;
+  switch (path) {
+    case GemmPath::kTorch:
+      return true;
+    case GemmPath::kAvx512Bf16:
+      if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16)) {
+        why = "AVX-512 BF16 (with F/BW/VL/DQ)";
+      }
+      break;
+    case GemmPath::kAmx:
+      if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16)) {
+        why = "AVX-512 BF16 (the AMX path's epilogue uses it)";
+      } else if (!RequestAmxPermission(&why)) {
+        // why already says it
+      }
+      break;
+  }
+  if (!why.empty() && missing != nullptr) *missing = why;
+  return why.empty();
+}
+
+GemmPath AutoGemmPath() {
+  if (kAmxInAutomaticChoice && GemmPathSupported(GemmPath::kAmx)) return GemmPath::kAmx;
+  if (GemmPathSupported(GemmPath::kAvx512Bf16)) return GemmPath::kAvx512Bf16;
+  return GemmPath::kTorch;
+}
+
+GemmPath DefaultGemmPath() {
+  static const GemmPath path = ReadDefaultPath();
+  return path;
+}
+
+// ---------------------------------------------------------------------------
+// PackedWeight
+
+absl::StatusOr<PackedWeight> PackedWeight::Pack(const at::Tensor& w, const at::Tensor& bias,
+                                                std::optional<GemmPath> path) {
+  if (absl::Status s = CheckWeight(w, "weight"); !s.ok()) return s;
+  std::shared_ptr<Impl> impl;
+  absl::StatusOr<PackedWeight> r = PackImpl(w, at::Tensor(), bias, path, &impl);
+  if (!r.ok()) return r.status();
+  r->impl_ = std::move(impl);
+  return r;
+}
+
+absl::StatusOr<PackedWeight> PackedWeight::PackGateUp(const at::Tensor& gate, const at::Tensor& up,
+                                                      std::optional<GemmPath> path) {
+  if (absl::Status s = CheckWeight(gate, "gate weight"); !s.ok()) return s;
+  if (absl::Status s = CheckWeight(up, "up weight"); !s.ok()) return s;
+  if (gate.sizes() != up.sizes()) {
+    return absl::InvalidArgumentError(absl::StrCat("gate ", gate.toString(), " [", gate.size(0),
+                                                   ", ", gate.size(1), "] and up [", up.size(0),
+                                                   ", ", up.size(1), "] differ in shape"));
+  }
+  std::shared_ptr<Impl> impl;
+  absl::StatusOr<PackedWeight> r = PackImpl(gate, up, at::Tensor(), path, &impl);
+  if (!r.ok()) return r.status();
+  r->impl_ = std::move(impl);
+  return r;
+}
+
+int64_t PackedWeight::n() const { return impl_ ? impl_->n : 0; }
+int64_t PackedWeight::k() const { return impl_ ? impl_->k : 0; }
+GemmPath PackedWeight::path() const { return impl_ ? impl_->path : GemmPath::kTorch; }
+bool PackedWeight::gate_up() const { return impl_ && impl_->gate_up; }
+bool PackedWeight::has_bias() const {
+  return impl_ && (!impl_->bias.empty() || impl_->bias_tensor.defined());
+}
+uint64_t PackedWeight::bytes() const { return impl_ ? impl_->bytes : 0; }
+
+// ---------------------------------------------------------------------------
+// Gemm
+
+namespace {
+
+// Columns per work chunk: the chunk's panels (chunk·K·2 bytes) stay in the
+// core's L2 while every row block of the task streams past them.
+int64_t PanelsPerChunk(int64_t k) {
+  const int64_t panel_bytes = std::max<int64_t>(1, k) * 2 * kPanelCols;
+  return std::clamp<int64_t>((384 << 10) / panel_bytes, 1, 8);
+}
+constexpr int64_t kRowsPerTask = 96;  // multiple of 12 (avx512bf16) and 32 (amx)
+
+absl::Status RunTorch(const at::Tensor& x, const PackedWeight::Impl& w, const at::Tensor& y,
+                      const GemmOptions& o) {
+  const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+  at::Tensor v;
+  if (w.gate_up) {
+    v = at::silu(at::linear(xb, w.weight).to(at::kFloat)) * at::linear(xb, w.up_weight).to(at::kFloat);
+  } else {
+    v = at::linear(xb, w.weight).to(at::kFloat);
+    if (w.bias_tensor.defined()) v.add_(w.bias_tensor);
+    if (o.activation == Activation::kGeluTanh) v = at::gelu(v, "tanh");
+    else if (o.activation == Activation::kGeluErf) v = at::gelu(v);
+  }
+  if (o.residual.defined()) v.add_(o.residual.to(at::kFloat));
+  y.copy_(v);
+  return absl::OkStatus();
+}
+
+absl::Status GemmImpl(const at::Tensor& x, const PackedWeight& pw, at::Tensor* y,
+                      const GemmOptions& o) {
+  if (pw.empty()) return absl::InvalidArgumentError("gemm: weight is empty (not packed)");
+  const PackedWeight::Impl& w = pw.impl();
+  if (!x.defined() || x.device().type() != at::kCPU || x.dim() != 2 ||
+      (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gemm: x must be a 2-D bf16 or f32 CPU tensor [M, K]; got ",
+        x.defined() ? x.toString() + " " + std::to_string(x.dim()) + "-D" : std::string("undefined")));
+  }
+  if (x.size(1) != w.k) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gemm: x has K = ", x.size(1), " but the weight has K = ", w.k));
+  }
+  if (w.gate_up != (o.activation == Activation::kSiluMul)) {
+    return absl::InvalidArgumentError(
+        w.gate_up ? "gemm: a gate/up weight needs Activation::kSiluMul"
+                  : "gemm: Activation::kSiluMul needs a weight from PackGateUp");
+  }
+  const int64_t m = x.size(0), n = w.n;
+  if (y == nullptr) return absl::InvalidArgumentError("gemm: output pointer is null");
+  if (!y->defined()) {
+    if (o.out_dtype != at::kBFloat16 && o.out_dtype != at::kFloat) {
+      return absl::InvalidArgumentError("gemm: out_dtype must be bf16 or f32");
+    }
+    *y = at::empty({m, n}, x.options().dtype(o.out_dtype));
+  }
+  if (y->device().type() != at::kCPU || y->dim() != 2 || y->size(0) != m || y->size(1) != n ||
+      (y->scalar_type() != at::kBFloat16 && y->scalar_type() != at::kFloat) ||
+      (n > 1 && y->stride(1) != 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("gemm: y must be a bf16 or f32 [", m, ", ", n,
+                                                   "] tensor with unit column stride; got ",
+                                                   y->toString(), " [", absl::StrJoin(y->sizes(), ", "), "]"));
+  }
+  if (o.residual.defined()) {
+    const at::Tensor& r = o.residual;
+    if (r.device().type() != at::kCPU || r.dim() != 2 || r.size(0) != m || r.size(1) != n ||
+        (r.scalar_type() != at::kBFloat16 && r.scalar_type() != at::kFloat) ||
+        (n > 1 && r.stride(1) != 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gemm: residual must be a bf16 or f32 [", m, ", ", n, "] tensor with unit column stride"));
+    }
+  }
+  if (m == 0) return absl::OkStatus();
+
+  GemmPath path = w.path;
+  if (o.path.has_value() && *o.path != path) {
+    if (IsBlocked(*o.path) != IsBlocked(path)) {
+      return absl::InvalidArgumentError(absl::StrCat("gemm: the weight is packed for ",
+                                                     GemmPathName(path), ", not for ",
+                                                     GemmPathName(*o.path)));
+    }
+    std::string missing;
+    if (!GemmPathSupported(*o.path, &missing)) {
+      return absl::FailedPreconditionError(absl::StrCat("gemm path ", GemmPathName(*o.path),
+                                                        " is not usable here: ", missing));
+    }
+    path = *o.path;
+  }
+  if (!IsBlocked(path)) return RunTorch(x, w, *y, o);
+
+  // x as contiguous-along-K bf16 rows.
+  at::Tensor xb = x;
+  if (xb.scalar_type() != at::kBFloat16) xb = xb.to(at::kBFloat16);
+  if (xb.stride(1) != 1 || (m > 1 && xb.stride(0) < w.k)) xb = xb.contiguous();
+  internal::Problem p;
+  p.x = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  p.ld_x = m > 1 ? xb.stride(0) : w.k;
+  p.w = w.view();
+  internal::Epilogue& e = p.epilogue;
+  e.bias = w.bias.empty() ? nullptr : w.bias.data();
+  e.activation = o.activation;
+  if (o.residual.defined()) {
+    e.residual = o.residual.data_ptr();
+    e.residual_bf16 = o.residual.scalar_type() == at::kBFloat16;
+    e.ld_residual = m > 1 ? o.residual.stride(0) : n;
+  }
+  e.y = y->data_ptr();
+  e.y_bf16 = y->scalar_type() == at::kBFloat16;
+  e.ld_y = m > 1 ? y->stride(0) : n;
+  e.n = n;
+  e.gate_up = w.gate_up;
+
+  const int64_t chunk = PanelsPerChunk(w.k);
+  const int64_t chunks = (w.count + chunk - 1) / chunk;
+  const int64_t row_blocks = (m + kRowsPerTask - 1) / kRowsPerTask;
+  auto block = path == GemmPath::kAmx ? internal::AmxBlock : internal::Avx512Bf16Block;
+  // Task t: row block t / chunks, panel chunk t % chunks. A thread's
+  // contiguous share is whole row blocks (its rows of x stay in its L2 while
+  // the panels stream past), as splitting the rows across threads measured
+  // faster than splitting the panels (vlm-bench-gemm, 2 threads); with one
+  // row block the chunks are split.
+  ParallelFor(chunks * row_blocks, o.threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / chunks, c = t % chunks;
+      block(p, b * kRowsPerTask, std::min(m, (b + 1) * kRowsPerTask), c * chunk,
+            std::min(w.count, (c + 1) * chunk));
+    }
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Gemm(const at::Tensor& x, const PackedWeight& w, at::Tensor* y,
+                  const GemmOptions& options) {
+  try {
+    return GemmImpl(x, w, y, options);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("gemm: out of memory");
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("gemm: ", e.what_without_backtrace()));
+  }
+}
+
+absl::StatusOr<at::Tensor> Gemm(const at::Tensor& x, const PackedWeight& w,
+                                const GemmOptions& options) {
+  at::Tensor y;
+  if (absl::Status s = Gemm(x, w, &y, options); !s.ok()) return s;
+  return y;
+}
+
+}  // namespace vlm::kernels

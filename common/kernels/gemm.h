@@ -1,0 +1,122 @@
+// Matrix multiply for prefill and the ViT: y = epilogue(x·wᵀ) with bf16
+// activations, weights prepacked once into the kernels' blocked layout, f32
+// accumulation, and the elementwise work that follows a linear layer fused
+// into the store (bias, GELU, SiLU·up, residual add).
+//
+// Paths, chosen at run time (GemmPath):
+//   avx512bf16  VDPBF16PS micro-kernel, 12 rows x 32 columns in registers; every
+//               CPU with AVX-512 BF16 (AMD Zen 4/5, Intel Cooper Lake and later).
+//   amx         AMX-BF16 tiles (TDPBF16PS, 32x32 output blocks); Sapphire Rapids and
+//               later, after the kernel grants tile state (arch_prctl). Shares the
+//               blocked layout with avx512bf16. NOT in the automatic choice until a
+//               run on an AMX machine has verified it: flip kAmxInAutomaticChoice in
+//               gemm.cc; VLM_GEMM_PATH=amx forces it.
+//   torch       at::linear in bf16 (oneDNN) plus ATen ops for the epilogue; the last
+//               resort on CPUs without AVX-512 BF16.
+// VLM_GEMM_PATH=amx|avx512bf16|torch|auto overrides the choice for the process
+// (read once; an unusable value is reported on stderr and ignored).
+//
+// Row invariance (avx512bf16 and amx): an output element's K-summation order
+// depends only on K, never on M, on the row's position in x, or on the thread
+// split, so a row of y is bit-identical whatever batch it is computed in. The
+// torch path makes no such promise.
+//
+// Denormal bf16 inputs count as zero (VDPBF16PS and TDPBF16PS flush them).
+// Thread-safety: PackedWeight is immutable after Pack; Gemm may run
+// concurrently on the same weight. Threads: common/kernels/thread_pool.h.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace vlm::kernels {
+
+enum class GemmPath { kAmx, kAvx512Bf16, kTorch };
+
+// "amx", "avx512bf16", "torch".
+const char* GemmPathName(GemmPath path);
+// Inverse of GemmPathName; "auto" gives AutoGemmPath().
+absl::StatusOr<GemmPath> ParseGemmPath(std::string_view name);
+// Whether this CPU and OS can run `path` (amx: also asks the kernel for tile
+// state, once per process); if not, `missing` says what is lacking.
+bool GemmPathSupported(GemmPath path, std::string* missing = nullptr);
+// The best supported path that is part of the automatic choice.
+GemmPath AutoGemmPath();
+// VLM_GEMM_PATH when set and supported, else AutoGemmPath().
+GemmPath DefaultGemmPath();
+
+enum class Activation {
+  kNone,
+  kGeluTanh,  // 0.5·v·(1 + tanh(√(2/π)·(v + 0.044715·v³)))  ("gelu_pytorch_tanh")
+  kGeluErf,   // 0.5·v·(1 + erf(v/√2))                         ("gelu")
+  kSiluMul,   // silu(x·gateᵀ)·(x·upᵀ); only for weights from PackGateUp
+};
+
+// A weight [N, K] in the layout of one path family: blocked panels for
+// avx512bf16/amx (32 columns x K, k-pairs interleaved as VDPBF16PS and the AMX
+// B tile read them; K padded to a multiple of 32 with zeros), or the bf16
+// tensor itself for torch. Owns its memory; copies share it (immutable).
+class PackedWeight {
+ public:
+  // w: [N, K] bf16 or f32 (f32 is rounded to bf16), any strides; bias:
+  // undefined or [N] floating point (kept in f32). path: DefaultGemmPath()
+  // when unset; must be supported.
+  static absl::StatusOr<PackedWeight> Pack(const at::Tensor& w, const at::Tensor& bias = {},
+                                           std::optional<GemmPath> path = std::nullopt);
+  // gate, up: [I, K] each. Gemm with Activation::kSiluMul then gives
+  // silu(x·gateᵀ)·(x·upᵀ) [M, I] in one pass over x.
+  static absl::StatusOr<PackedWeight> PackGateUp(const at::Tensor& gate, const at::Tensor& up,
+                                                 std::optional<GemmPath> path = std::nullopt);
+
+  PackedWeight() = default;
+  bool empty() const { return impl_ == nullptr; }
+  int64_t n() const;  // output columns (I for gate/up)
+  int64_t k() const;
+  GemmPath path() const;
+  bool gate_up() const;
+  bool has_bias() const;
+  // Bytes this weight holds in memory (panels, bias, any converted copy), for
+  // the callers' weight accounting. A borrowed bf16 tensor (torch path) is not counted.
+  uint64_t bytes() const;
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::shared_ptr<const Impl> impl_;
+};
+
+struct GemmOptions {
+  Activation activation = Activation::kNone;
+  // Optional [M, N] f32 or bf16 (unit stride along N): y = act(x·wᵀ + bias) + residual.
+  // May be the same tensor as *y (in-place residual update).
+  at::Tensor residual;
+  // dtype of y when *y is undefined: bf16 or f32.
+  at::ScalarType out_dtype = at::kBFloat16;
+  // Run on another path of the weight's layout family (amx <-> avx512bf16);
+  // must be supported.
+  std::optional<GemmPath> path;
+  // Threads (the caller included); 0: DefaultThreads().
+  int threads = 0;
+};
+
+// y = act(x·wᵀ + bias) + residual, summed in f32, rounded once to y's dtype.
+//   x: [M, K] bf16 or f32 (f32 rounded to bf16 first), unit stride along K.
+//   y: [M, N] f32 or bf16, unit stride along N, not overlapping x; allocated
+//      (options.out_dtype) when undefined.
+// INVALID_ARGUMENT names a shape, dtype or option mismatch; FAILED_PRECONDITION
+// an unsupported path.
+absl::Status Gemm(const at::Tensor& x, const PackedWeight& w, at::Tensor* y,
+                  const GemmOptions& options = {});
+absl::StatusOr<at::Tensor> Gemm(const at::Tensor& x, const PackedWeight& w,
+                                const GemmOptions& options = {});
+
+}  // namespace vlm::kernels

@@ -1,0 +1,71 @@
+// Internal to common/kernels: the blocked weight layout and the per-ISA
+// block kernels behind Gemm (and the ViT flash attention, which runs its
+// QKᵀ and PV products through the same micro-kernel).
+//
+// Blocked layout: panel j holds output columns 32j..32j+31; for k-pair p
+// (K elements 2p, 2p+1) it stores 32 dwords (w[n, 2p], w[n, 2p+1]), columns in
+// order: 128 bytes per pair, panel = kpairs·128 bytes, 64-byte aligned.
+// kpairs = round_up(K, 32) / 2, the padding zero. For gate/up weights the
+// first 16 columns of panel j are gate rows 16j.., the last 16 up rows 16j...
+#pragma once
+
+#include <cstdint>
+
+#include "common/kernels/gemm.h"
+
+namespace vlm::kernels::internal {
+
+constexpr int kPanelCols = 32;
+constexpr int kMicroRows = 12;  // avx512bf16 rows per register tile
+
+struct Panels {
+  const uint16_t* data = nullptr;
+  int64_t k = 0;       // logical K
+  int64_t kpairs = 0;  // padded pairs per panel (multiple of 16)
+  int64_t count = 0;   // number of panels
+  const uint16_t* panel(int64_t j) const { return data + j * kpairs * 2 * kPanelCols; }
+};
+
+// Where and how a finished f32 tile is stored.
+struct Epilogue {
+  const float* bias = nullptr;  // [n] or null
+  Activation activation = Activation::kNone;
+  const void* residual = nullptr;  // [M, n] or null
+  bool residual_bf16 = false;
+  int64_t ld_residual = 0;
+  void* y = nullptr;  // [M, n]
+  bool y_bf16 = false;
+  int64_t ld_y = 0;
+  int64_t n = 0;  // output columns
+  bool gate_up = false;
+};
+
+// The problem a block kernel sees: x rows (bf16, row stride ld_x elements),
+// the panels and the epilogue.
+struct Problem {
+  const uint16_t* x = nullptr;
+  int64_t ld_x = 0;
+  Panels w;
+  Epilogue epilogue;
+};
+
+// Stores acc [rows][32] (row stride 32 floats), the f32 sums of panel `panel`
+// for output rows m0.., through the epilogue. Needs AVX-512 BF16.
+void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel, const float* acc);
+
+// Rows [m0, m1) x panels [j0, j1) of the problem. avx512bf16: needs AVX-512 BF16.
+void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
+// The same on AMX tiles; needs AMX-BF16 with tile state granted.
+void AmxBlock(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
+
+// acc[rows][32] = x[rows, 0..k) · panel (k ≤ 2·kpairs of the panel), the
+// avx512bf16 micro-kernel with the same summation order as Avx512Bf16Block.
+void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
+                         const uint16_t* panel, float* acc);
+
+// Packs w [n_rows, K] (bf16 bits, row stride ld) into panels (gate_up: gate
+// and up interleaved by 16). `out` has count·kpairs·64 uint16 slots.
+void PackPanels(const uint16_t* w, int64_t ld, const uint16_t* up, int64_t ld_up, int64_t n,
+                int64_t k, bool gate_up, uint16_t* out, int64_t kpairs, int64_t count);
+
+}  // namespace vlm::kernels::internal
