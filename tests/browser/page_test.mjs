@@ -123,7 +123,9 @@ test("upload, ask, follow up, stop; screenshots under the build tree", async () 
     return all.length === 3 && all[2].textContent.length > 40;
   }, { timeout: 60000 });
   await page.click("#stop");
-  await page.waitForFunction(() => document.body.dataset.state === "idle");
+  // Interval polling: requestAnimationFrame polling stalls in a starved headless tab.
+  await page.waitForFunction(() => document.body.dataset.state === "idle",
+    { timeout: 60000, polling: 100 });
   await noErrorShown(page);
   assert.equal(await page.$$eval(".msg.assistant.stopped", (a) => a.length), 1);
   const deadline = Date.now() + 5000;
