@@ -35,6 +35,9 @@ LANGUAGE_METRICS_PORT="${LANGUAGE_METRICS_PORT:-9092}"
 READY_TIMEOUT_S="${SERVE_READY_TIMEOUT_S:-600}"
 
 say() { echo "serve: $*" >&2; }
+# LibTorch's OpenMP threads sleep between parallel regions instead of spinning on the
+# cores the services' own pools need (common/omp_wait_policy.h; the images set it too).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 
 "$ROOT/scripts/setup.sh"
 say "building (only what is out of date)"

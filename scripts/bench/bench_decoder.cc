@@ -33,6 +33,7 @@
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "common/nn.h"
+#include "common/omp_wait_policy.h"
 #include "services/language/decode_attention.h"
 #include "services/language/decoder.h"
 #include "services/language/gemv.h"
@@ -417,6 +418,7 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  vlm::EnsureOmpWaitPolicy(argv);  // as the language service runs: see omp_wait_policy.h
   absl::ParseCommandLine(argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as they are measured
   return Run();

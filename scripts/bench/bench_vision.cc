@@ -42,6 +42,7 @@
 #include "common/flags.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
+#include "common/omp_wait_policy.h"
 #include "common/safetensors.h"
 #include "common/server.h"
 #include "common/sha256.h"
@@ -172,6 +173,7 @@ std::string Mib(int64_t bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  vlm::EnsureOmpWaitPolicy(argv);  // as the vision service runs: see omp_wait_policy.h
   vlm::ParseCommandLine(argc, argv, "vlm-bench-vision: ViT encode time vs the matmul bound");
   const int threads = absl::GetFlag(FLAGS_bench_threads);
   const int runs = std::max(1, absl::GetFlag(FLAGS_bench_runs));

@@ -12,6 +12,7 @@
 #include "common/cpu_features.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/omp_wait_policy.h"
 #include "common/server.h"
 #include "services/language/language_service.h"
 
@@ -44,15 +45,13 @@ int Run() {
   using vlm::language::LanguageServiceOptions;
   LanguageServiceOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model_dir);
-  const std::string dtype = absl::GetFlag(FLAGS_compute_dtype);
-  if (dtype == "bf16" || dtype == "bfloat16") {
-    options.compute_dtype = vlm::ComputeDType::kBFloat16;
-  } else if (dtype == "f32" || dtype == "float32") {
-    options.compute_dtype = vlm::ComputeDType::kFloat32;
-  } else {
-    vlm::LogError(kLog, "bad --compute_dtype", {{"value", dtype}, {"expected", "bf16|f32"}});
+  absl::StatusOr<vlm::ComputeDType> dtype =
+      vlm::ParseComputeDType(absl::GetFlag(FLAGS_compute_dtype));
+  if (!dtype.ok()) {
+    vlm::LogError(kLog, "bad --compute_dtype", {{"error", dtype.status().ToString()}});
     return 2;
   }
+  options.compute_dtype = *dtype;
   options.eager_load = absl::GetFlag(FLAGS_eager_load);
   options.resident_layers = absl::GetFlag(FLAGS_resident_layers);
   options.prefetch_layers = absl::GetFlag(FLAGS_prefetch_layers);
@@ -78,7 +77,8 @@ int Run() {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   at::set_num_threads(threads);
   vlm::LogInfo(kLog, "cpu", {{"features", vlm::GetCpuFeatures().Describe()},
-                             {"intra_op_threads", threads}});
+                             {"intra_op_threads", threads},
+                             {"omp_wait_policy", vlm::OmpWaitPolicy()}});
 
   const std::string name = vlm::language::kLanguageServiceName;
   vlm::Server server(vlm::ServerOptions::FromFlags());
@@ -106,6 +106,7 @@ int Run() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  vlm::EnsureOmpWaitPolicy(argv);  // before any thread: see omp_wait_policy.h
   absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052");
   vlm::ParseCommandLine(argc, argv, "vlm-language: projector + Qwen3 decoder, streaming generation");
   vlm::LogEffectiveConfiguration(kLog);

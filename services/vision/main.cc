@@ -10,10 +10,12 @@
 #include "absl/flags/flag.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/omp_wait_policy.h"
 #include "common/server.h"
 #include "services/vision/vision_service.h"
 
 int main(int argc, char** argv) {
+  vlm::EnsureOmpWaitPolicy(argv);  // before any thread: see omp_wait_policy.h
   absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052");
   vlm::ParseCommandLine(argc, argv, "vlm-vision: images to Qwen3-VL vision features (gRPC)");
   vlm::LogEffectiveConfiguration("vision");
