@@ -250,12 +250,14 @@ TEST(FaultInjectionTest, LanguageKilledMidStreamEndsEveryStreamUnavailableAndRec
   }
   ASSERT_TRUE(Eventually([&] { return streaming.load() >= 2; }, absl::Seconds(30))) << stack.Logs();
   const int language_port = stack.language_->grpc_port;
+  const std::string unavailable =
+      absl::StrCat("language service unavailable (", stack.language_->grpc_target(), "): ");
   const absl::Time killed = absl::Now();
   ASSERT_EQ(stack.language_->Stop(SIGKILL), std::optional<int>(-SIGKILL));
   for (auto& t : threads) t.join();
   for (const Outcome& o : outcomes) {
     EXPECT_EQ(o.status.error_code(), grpc::StatusCode::UNAVAILABLE) << o.status.error_message();
-    EXPECT_TRUE(absl::StartsWith(o.status.error_message(), "language service unavailable"))
+    EXPECT_TRUE(absl::StartsWith(o.status.error_message(), unavailable))
         << o.status.error_message();
   }
   // Nobody waited for the deadline: the failure reached every client at once.

@@ -534,7 +534,8 @@ TEST_F(GatewayTest, LanguageKilledMidStreamIsUnavailableAndRecoversAfterRestart)
   }
   grpc::Status s = reader->Finish();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_TRUE(absl::StartsWith(s.error_message(), "language service unavailable: "))
+  EXPECT_TRUE(absl::StartsWith(s.error_message(), absl::StrCat("language service unavailable (",
+                                                              language_->grpc_target(), "): ")))
       << s.error_message();
   EXPECT_TRUE(Eventually(
       [] { return gateway_->Health() == "NOT_SERVING"; }, absl::Seconds(5)));
