@@ -171,7 +171,8 @@ TEST(LanguageWarmUpTest, AnswersUnavailableWhileTheProjectorWarmsUp) {
 class LanguageServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = StartLanguage("service", {"--max_sequences=1", "--max_queue=1", "--max_context=1024"});
+    server_ =
+        StartLanguage("service", {"--max_sequences=1", "--max_queue=1", "--max_context=1024"});
     ASSERT_TRUE(server_->WaitListening(absl::Seconds(30))) << server_->LogTail();
     channel_ = new std::shared_ptr<grpc::Channel>(
         grpc::CreateChannel(server_->grpc_target(), grpc::InsecureChannelCredentials()));

@@ -50,12 +50,12 @@ struct Case {
   std::string name;
   std::vector<int32_t> ids;  // the prompt, S tokens
   std::vector<GridThw> grids;
-  at::Tensor last_hidden;         // the vision tower's output for all images, or undefined
-  std::vector<at::Tensor> taps;   // its deepstack taps
-  at::Tensor positions;           // [3, S] int64
+  at::Tensor last_hidden;        // the vision tower's output for all images, or undefined
+  std::vector<at::Tensor> taps;  // its deepstack taps
+  at::Tensor positions;          // [3, S] int64
   int64_t rope_delta = 0;
-  std::vector<int32_t> greedy;    // G tokens
-  at::Tensor logits;              // [S + G - 1, vocab]: row S - 1 + i predicts greedy[i]
+  std::vector<int32_t> greedy;  // G tokens
+  at::Tensor logits;            // [S + G - 1, vocab]: row S - 1 + i predicts greedy[i]
   // prompt + greedy[:-1]: the teacher-forced full sequence.
   std::vector<int32_t> Full() const {
     std::vector<int32_t> full = ids;
@@ -73,11 +73,14 @@ inline Case ReadCase(const std::string& dir, const std::string& name) {
   if (!file.ok()) return c;
   auto get = [&](const std::string& t) { return (*file)->Tensor(t).value().clone(); };
   const at::Tensor ids = get("input_ids");
-  for (int64_t i = 0; i < ids.numel(); ++i) c.ids.push_back(static_cast<int32_t>(ids[i].item<int64_t>()));
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    c.ids.push_back(static_cast<int32_t>(ids[i].item<int64_t>()));
+  }
   if ((*file)->Has("grid_thw")) {
     const at::Tensor g = get("grid_thw");
     for (int64_t i = 0; i < g.size(0); ++i) {
-      c.grids.push_back({g[i][0].item<int64_t>(), g[i][1].item<int64_t>(), g[i][2].item<int64_t>()});
+      c.grids.push_back(
+          {g[i][0].item<int64_t>(), g[i][1].item<int64_t>(), g[i][2].item<int64_t>()});
     }
     c.last_hidden = get("features.last_hidden");
     for (int j = 0; (*file)->Has("features.deepstack." + std::to_string(j)); ++j) {
@@ -87,7 +90,9 @@ inline Case ReadCase(const std::string& dir, const std::string& name) {
   c.positions = get("positions");
   c.rope_delta = get("rope_delta")[0].item<int64_t>();
   const at::Tensor greedy = get("greedy");
-  for (int64_t i = 0; i < greedy.numel(); ++i) c.greedy.push_back(static_cast<int32_t>(greedy[i].item<int64_t>()));
+  for (int64_t i = 0; i < greedy.numel(); ++i) {
+    c.greedy.push_back(static_cast<int32_t>(greedy[i].item<int64_t>()));
+  }
   c.logits = get("logits");
   return c;
 }
