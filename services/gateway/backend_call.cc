@@ -93,7 +93,8 @@ grpc::Status MapVisionError(int image_number, const grpc::Status& status,
   }
 }
 
-grpc::Status MapLanguageError(const grpc::Status& status, int completion_chunks) {
+grpc::Status MapLanguageError(const grpc::Status& status, int completion_chunks,
+                              std::string_view target) {
   if (status.ok()) return status;
   const std::string& message = status.error_message();
   const std::string progress =
@@ -115,8 +116,11 @@ grpc::Status MapLanguageError(const grpc::Status& status, int completion_chunks)
       return grpc::Status(status.error_code(),
                           absl::StrCat("language service is at capacity: ", message));
     case grpc::StatusCode::UNAVAILABLE:
-      return grpc::Status(status.error_code(),
-                          absl::StrCat("language service unavailable: ", message, progress));
+      return grpc::Status(
+          status.error_code(),
+          absl::StrCat("language service unavailable",
+                       target.empty() ? "" : absl::StrCat(" (", std::string(target), ")"), ": ",
+                       message, progress));
     case grpc::StatusCode::DEADLINE_EXCEEDED:
       return grpc::Status(status.error_code(),
                           absl::StrCat("deadline exceeded while generating: ", message, progress));

@@ -62,9 +62,12 @@ absl::Time FromGrpcDeadline(std::chrono::system_clock::time_point deadline);
 grpc::Status MapVisionError(int image_number, const grpc::Status& status,
                             std::string_view replica, int attempts);
 
-// A language error; `completion_chunks` says how far the stream had come:
-//   UNAVAILABLE "language service unavailable: <message> (after 7 streamed chunks)", ...
-grpc::Status MapLanguageError(const grpc::Status& status, int completion_chunks);
+// A language error; `completion_chunks` says how far the stream had come and
+// `target` ("host:port", may be empty) which language service was called:
+//   UNAVAILABLE "language service unavailable (10.0.0.7:50051): <message>
+//                (after 7 streamed chunks)", ...
+grpc::Status MapLanguageError(const grpc::Status& status, int completion_chunks,
+                              std::string_view target = "");
 
 }  // namespace vlm::gateway
 

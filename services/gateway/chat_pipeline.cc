@@ -379,7 +379,7 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   }
   // The caller's cancellation or deadline shows up here as the backend's
   // CANCELLED or DEADLINE_EXCEEDED.
-  if (!status.ok()) return MapLanguageError(status, chunks);
+  if (!status.ok()) return MapLanguageError(status, chunks, options_.language_target);
   if (!finished) {
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         "language service ended the stream without a finish reason");

@@ -45,6 +45,9 @@ struct GatewayOptions {
   // params.max_tokens when the client leaves it unset (0: leave it to the
   // language service, which then generates up to the context length).
   int default_max_tokens = 0;
+  // The language service's address ("host:port"), named in the errors that
+  // say it is unavailable (empty: not named).
+  std::string language_target;
 };
 
 // Where a request's output goes. Called on the thread that runs the pipeline,

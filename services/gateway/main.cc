@@ -193,6 +193,7 @@ int main(int argc, char** argv) {
   }
   const std::string language_target = absl::GetFlag(FLAGS_language_target);
   std::shared_ptr<grpc::Channel> language_channel = CreateBackendChannel(language_target, channel);
+  options.language_target = language_target;
   Admission admission(absl::GetFlag(FLAGS_max_inflight), absl::GetFlag(FLAGS_max_queue),
                       GatewayService::AdmissionGauges());
   // One pipeline, two front ends (gRPC and HTTP); optional API keys for both.

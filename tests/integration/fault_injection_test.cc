@@ -32,7 +32,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/integration/service_process.h"
 #include "tests/unit/metrics_text.h"
 #include "vlm/v1/gateway.grpc.pb.h"
@@ -92,19 +91,6 @@ v1::ChatRequest LongRequest(int max_tokens = 4000) {
   v1::ChatRequest r = Request("Tell me a very long story.", {}, max_tokens);
   r.mutable_params()->set_ignore_eos(true);
   return r;
-}
-
-std::string HealthStatus(const std::string& target, const std::string& service = "") {
-  auto stub = grpc::health::v1::Health::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  grpc::health::v1::HealthCheckRequest req;
-  req.set_service(service);
-  grpc::health::v1::HealthCheckResponse resp;
-  grpc::Status s = stub->Check(&ctx, req, &resp);
-  if (!s.ok()) return "error: " + s.error_message();
-  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
 }
 
 // A metric of a service's /metrics; -1 if absent or unreachable.
@@ -191,7 +177,7 @@ class Stack {
   }
 
   bool GatewayServing(absl::Duration timeout) {
-    return Eventually([&] { return HealthStatus(gateway_->grpc_target()) == "SERVING"; }, timeout);
+    return gateway_->WaitServing("", timeout);
   }
 
   Outcome Chat(const v1::ChatRequest& request, absl::Duration deadline,
@@ -264,19 +250,21 @@ TEST(FaultInjectionTest, LanguageKilledMidStreamEndsEveryStreamUnavailableAndRec
   }
   ASSERT_TRUE(Eventually([&] { return streaming.load() >= 2; }, absl::Seconds(30))) << stack.Logs();
   const int language_port = stack.language_->grpc_port;
+  const std::string unavailable =
+      absl::StrCat("language service unavailable (", stack.language_->grpc_target(), "): ");
   const absl::Time killed = absl::Now();
   ASSERT_EQ(stack.language_->Stop(SIGKILL), std::optional<int>(-SIGKILL));
   for (auto& t : threads) t.join();
   for (const Outcome& o : outcomes) {
     EXPECT_EQ(o.status.error_code(), grpc::StatusCode::UNAVAILABLE) << o.status.error_message();
-    EXPECT_TRUE(absl::StartsWith(o.status.error_message(), "language service unavailable"))
+    EXPECT_TRUE(absl::StartsWith(o.status.error_message(), unavailable))
         << o.status.error_message();
   }
   // Nobody waited for the deadline: the failure reached every client at once.
   EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
 
   EXPECT_TRUE(Eventually(
-      [&] { return HealthStatus(stack.gateway_->grpc_target()) == "NOT_SERVING"; },
+      [&] { return stack.gateway_->Health() == "NOT_SERVING"; },
       absl::Seconds(5)));
   const Outcome refused = stack.Chat(Request("Hello"), absl::Seconds(10));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
@@ -339,7 +327,7 @@ TEST(FaultInjectionTest, VisionReplicaKilledUnderLoadLosesNoRequest) {
   }
   std::printf("vision kill: %d requests done before it, %d ok in all, retries %.0f\n",
               done_at_kill, ok, Metric(*stack.gateway_, "vlm_gateway_vision_retries_total"));
-  EXPECT_EQ(HealthStatus(stack.gateway_->grpc_target()), "SERVING");
+  EXPECT_EQ(stack.gateway_->Health(), "SERVING");
 }
 
 // --- a backend SIGSTOPped ---------------------------------------------------------
@@ -398,7 +386,7 @@ TEST(FaultInjectionTest, HungVisionReplicaIsDetectedByKeepaliveAndItsImagesFailO
   // The open connection stays up at the TCP level; only the unanswered pings tell.
   EXPECT_TRUE(Eventually([&] { return Metric(*stack.gateway_, series) == 0; }, absl::Seconds(10)))
       << stack.Logs();
-  EXPECT_EQ(HealthStatus(stack.gateway_->grpc_target()), "SERVING");  // vision-1 is enough
+  EXPECT_EQ(stack.gateway_->Health(), "SERVING");  // vision-1 is enough
   for (int i = 0; i < 8; ++i) {
     v1::ChatResponse response;
     const Outcome o = stack.Chat(Request("Hi.", {Png(5000 + i)}, 1), absl::Seconds(10), &response);
@@ -482,9 +470,7 @@ TEST(FaultInjectionTest, UnwritableDiskCacheDirectoryStillServesAndCountsTheErro
                          "--cache_dir=" + dir},
                         LogDir() + "/unwritable-vision");
   ASSERT_TRUE(vision.WaitListening()) << vision.LogTail();
-  ASSERT_TRUE(Eventually(
-      [&] { return HealthStatus(vision.grpc_target(), "vlm.v1.VisionEncoder") == "SERVING"; },
-      absl::Seconds(60)));
+  ASSERT_TRUE(vision.WaitServing("vlm.v1.VisionEncoder", absl::Seconds(60))) << vision.LogTail();
   EXPECT_EQ(EncodeNewImages(vision, 3000, 1, 96), 1);
   EXPECT_EQ(Metric(vision, kDiskErrors), 0);
   // The directory goes away and a file takes its place: every write now fails
@@ -494,7 +480,7 @@ TEST(FaultInjectionTest, UnwritableDiskCacheDirectoryStillServesAndCountsTheErro
   EXPECT_EQ(EncodeNewImages(vision, 3100, 3, 96), 3);
   EXPECT_TRUE(Eventually([&] { return Metric(vision, kDiskErrors) >= 3; }, absl::Seconds(10)))
       << Metric(vision, kDiskErrors) << "\n" << vision.LogTail();
-  EXPECT_EQ(HealthStatus(vision.grpc_target(), "vlm.v1.VisionEncoder"), "SERVING");
+  EXPECT_EQ(vision.Health("vlm.v1.VisionEncoder"), "SERVING");
   fs::remove(dir);
 }
 
@@ -510,13 +496,11 @@ TEST(FaultInjectionTest, FullDiskCacheStillServesAndCountsTheErrors) {
        "--metrics_address=127.0.0.1:0", "--intra_op_threads=1", "--cache_dir=" + dir},
       LogDir() + "/full-vision");
   ASSERT_TRUE(vision.WaitListening()) << vision.LogTail();
-  ASSERT_TRUE(Eventually(
-      [&] { return HealthStatus(vision.grpc_target(), "vlm.v1.VisionEncoder") == "SERVING"; },
-      absl::Seconds(60)));
+  ASSERT_TRUE(vision.WaitServing("vlm.v1.VisionEncoder", absl::Seconds(60))) << vision.LogTail();
   EXPECT_EQ(EncodeNewImages(vision, 4000, 3, 448), 3);
   EXPECT_TRUE(Eventually([&] { return Metric(vision, kDiskErrors) >= 3; }, absl::Seconds(10)))
       << Metric(vision, kDiskErrors) << "\n" << vision.LogTail();
-  EXPECT_EQ(HealthStatus(vision.grpc_target(), "vlm.v1.VisionEncoder"), "SERVING");
+  EXPECT_EQ(vision.Health("vlm.v1.VisionEncoder"), "SERVING");
 }
 
 }  // namespace

@@ -235,6 +235,7 @@ class Gateway {
     admission_ = std::make_unique<Admission>(max_inflight, max_queue);
     GatewayOptions options;
     options.limits.max_images_per_request = 3;
+    options.language_target = language;
     service_ = std::make_unique<GatewayService>(options, &server_.readiness(), admission_.get(),
                                                 router_.get(), v1::Language::NewStub(channel));
     server_.AddService(service_.get(), GatewayService::kServiceName, "waiting for backends");
@@ -549,7 +550,8 @@ TEST_F(GatewayFakeTest, BackendErrorsAreMappedWithContext) {
   s = reader->Finish();
   EXPECT_EQ(text, "one two ");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(s.error_message(), "language service unavailable: Socket closed (after 2 streamed chunks)");
+  EXPECT_EQ(s.error_message(), absl::StrCat("language service unavailable (", language_server_.target(),
+                                            "): Socket closed (after 2 streamed chunks)"));
 
   // Validation happens before any backend call.
   const int calls = vision_a_.calls();

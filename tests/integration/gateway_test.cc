@@ -34,6 +34,7 @@
 namespace vlm {
 namespace {
 
+using testing::Eventually;
 using testing::ServiceProcess;
 
 // --- images ------------------------------------------------------------------
@@ -85,28 +86,6 @@ std::string LosslessWebp(const Pixels& p) {
 
 // --- clients -----------------------------------------------------------------
 
-bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (condition()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return condition();
-}
-
-std::string HealthStatus(const std::string& target, const std::string& service = "") {
-  auto stub = grpc::health::v1::Health::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  grpc::health::v1::HealthCheckRequest req;
-  req.set_service(service);
-  grpc::health::v1::HealthCheckResponse resp;
-  grpc::Status s = stub->Check(&ctx, req, &resp);
-  if (!s.ok()) return "error: " + s.error_message();
-  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
-}
-
 std::string Metrics(int port) {
   httplib::Client client("127.0.0.1", port);
   client.set_read_timeout(5, 0);
@@ -139,12 +118,15 @@ v1::ChatRequest LongRequest() {
 
 // --- the process set -----------------------------------------------------------
 
-constexpr int kWarmupDelayMs = 2500;
+// Long enough for the gateway to start and sample a few times while the
+// language service warms up, on a machine shared with parallel builds.
+constexpr int kWarmupDelayMs = 4000;
 
 struct WarmupRecord {
   bool language_was_not_serving = false;
   bool gateway_served_before_language = false;
   int not_serving_samples_with_vision_up = 0;  // gateway NOT_SERVING, vision up, language warming
+  bool chatted_while_warming = false;  // a Chat call began and ended within the warm-up
   grpc::Status chat_while_warming;
   bool became_serving = false;
 };
@@ -177,14 +159,18 @@ class GatewayTest : public ::testing::Test {
     const char* binary_dir = std::getenv("VLM_BINARY_DIR");
     ASSERT_NE(binary_dir, nullptr) << "run through ctest (VLM_BINARY_DIR)";
     model_dir_ = std::string(binary_dir) + "/tiny_checkpoint";
-    log_dir_ = std::string(binary_dir) + "/tests/gateway_test_logs";
-    std::system(("mkdir -p " + log_dir_).c_str());
+    log_dir_ = testing::TestLogDir("gateway_test");
 
+    // The vision replicas first, up to SERVING, so that their start-up does not
+    // use up the language service's warm-up window (it opens when vlm-language
+    // listens); the gateway right after the language service listens.
     vision_a_ = StartVision("vision-a");
     vision_b_ = StartVision("vision-b");
+    for (ServiceProcess* v : {vision_a_.get(), vision_b_.get()}) {
+      ASSERT_TRUE(v->WaitListening()) << v->LogTail();
+      ASSERT_TRUE(v->WaitServing("vlm.v1.VisionEncoder")) << v->LogTail();
+    }
     language_ = StartLanguage(0, kWarmupDelayMs);
-    ASSERT_TRUE(vision_a_->WaitListening()) << vision_a_->LogTail();
-    ASSERT_TRUE(vision_b_->WaitListening()) << vision_b_->LogTail();
     ASSERT_TRUE(language_->WaitListening()) << language_->LogTail();
     gateway_ = std::make_unique<ServiceProcess>(
         VLM_GATEWAY_PATH,
@@ -200,21 +186,30 @@ class GatewayTest : public ::testing::Test {
         grpc::CreateChannel(gateway_->grpc_target(), grpc::InsecureChannelCredentials()));
 
     // Readiness during the language warm-up. Gateway first, then language:
-    // a SERVING gateway must then see a SERVING language.
+    // a SERVING gateway must then see a SERVING language. Only an explicit
+    // NOT_SERVING counts as warming up: a health call that failed (its 2 s
+    // deadline on a starved machine) says nothing about the language service.
     const absl::Time give_up = absl::Now() + absl::Seconds(60);
     while (absl::Now() < give_up) {
-      const std::string gateway = HealthStatus(gateway_->grpc_target());
-      const std::string language = HealthStatus(language_->grpc_target(), "vlm.v1.Language");
-      const bool vision_up = HealthStatus(vision_a_->grpc_target(), "vlm.v1.VisionEncoder") == "SERVING";
-      if (language != "SERVING") {
+      const std::string gateway = gateway_->Health();
+      const std::string language = language_->Health("vlm.v1.Language");
+      const bool vision_up = vision_a_->Health("vlm.v1.VisionEncoder") == "SERVING";
+      if (language == "NOT_SERVING") {
         warmup_.language_was_not_serving = true;
         if (gateway == "SERVING") warmup_.gateway_served_before_language = true;
         if (gateway == "NOT_SERVING" && vision_up) {
-          if (++warmup_.not_serving_samples_with_vision_up == 1) {
+          ++warmup_.not_serving_samples_with_vision_up;
+          if (!warmup_.chatted_while_warming) {
             grpc::ClientContext ctx;
             ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
             v1::ChatResponse response;
-            warmup_.chat_while_warming = stub_->Chat(&ctx, Request("hello"), &response);
+            const grpc::Status chat = stub_->Chat(&ctx, Request("hello"), &response);
+            // The warm-up may end between the sample and the call: the call
+            // counts only if the language service still warms up after it.
+            if (language_->Health("vlm.v1.Language") == "NOT_SERVING") {
+              warmup_.chat_while_warming = chat;
+              warmup_.chatted_while_warming = true;
+            }
           }
         }
       }
@@ -272,7 +267,7 @@ class GatewayTest : public ::testing::Test {
     return home == vision_a_->grpc_target() ? "vision-a" : "vision-b";
   }
   static bool GatewayServing(absl::Duration timeout = absl::Seconds(60)) {
-    return Eventually([] { return HealthStatus(gateway_->grpc_target()) == "SERVING"; }, timeout);
+    return gateway_->WaitServing("", timeout);
   }
 
   static inline std::string model_dir_;
@@ -290,11 +285,12 @@ TEST_F(GatewayTest, NotServingUntilTheLanguageServiceHasWarmedUp) {
   EXPECT_FALSE(warmup_.gateway_served_before_language);
   EXPECT_GT(warmup_.not_serving_samples_with_vision_up, 0)
       << "never saw vision up while language warmed up";
+  ASSERT_TRUE(warmup_.chatted_while_warming) << "no Chat call fell inside the warm-up";
   EXPECT_EQ(warmup_.chat_while_warming.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_TRUE(absl::StrContains(warmup_.chat_while_warming.error_message(), "language service"))
       << warmup_.chat_while_warming.error_message();
   EXPECT_TRUE(warmup_.became_serving);
-  EXPECT_EQ(HealthStatus(gateway_->grpc_target(), "vlm.v1.VisionLanguage"), "SERVING");
+  EXPECT_EQ(gateway_->Health("vlm.v1.VisionLanguage"), "SERVING");
   std::printf("warm-up: %d NOT_SERVING samples with vision up; chat meanwhile: %s\n",
               warmup_.not_serving_samples_with_vision_up,
               warmup_.chat_while_warming.error_message().c_str());
@@ -431,14 +427,13 @@ TEST_F(GatewayTest, ImagesStickToTheirReplicaAndFailOverWhenItDies) {
     EXPECT_EQ(r.images(0).replica(), "vision-b");
     EXPECT_EQ(r.images(0).cache(), repeat == 0 ? v1::CACHE_LEVEL_MISS : v1::CACHE_LEVEL_MEMORY);
   }
-  EXPECT_EQ(HealthStatus(gateway_->grpc_target()), "SERVING");  // one replica is enough
+  EXPECT_EQ(gateway_->Health(), "SERVING");  // one replica is enough
 
   // Back on its port, vision-a gets its images back (a cold cache: a miss).
   vision_a_ = StartVision("vision-a", port_a);
   ASSERT_TRUE(vision_a_->WaitListening()) << vision_a_->LogTail();
-  ASSERT_TRUE(Eventually(
-      [] { return HealthStatus(vision_a_->grpc_target(), "vlm.v1.VisionEncoder") == "SERVING"; },
-      absl::Seconds(60)));
+  ASSERT_TRUE(vision_a_->WaitServing("vlm.v1.VisionEncoder", absl::Seconds(60)))
+      << vision_a_->LogTail();
   v1::ChatResponse r;
   ASSERT_TRUE(Eventually(
       [&] {
@@ -539,10 +534,11 @@ TEST_F(GatewayTest, LanguageKilledMidStreamIsUnavailableAndRecoversAfterRestart)
   }
   grpc::Status s = reader->Finish();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_TRUE(absl::StartsWith(s.error_message(), "language service unavailable: "))
+  EXPECT_TRUE(absl::StartsWith(s.error_message(), absl::StrCat("language service unavailable (",
+                                                              language_->grpc_target(), "): ")))
       << s.error_message();
   EXPECT_TRUE(Eventually(
-      [] { return HealthStatus(gateway_->grpc_target()) == "NOT_SERVING"; }, absl::Seconds(5)));
+      [] { return gateway_->Health() == "NOT_SERVING"; }, absl::Seconds(5)));
   v1::ChatResponse r;
   s = Chat(Request("Hello"), &r, absl::Seconds(5));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);

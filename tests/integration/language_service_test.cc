@@ -4,21 +4,14 @@
 // max_tokens, CountTokens, every kind of bad input (INVALID_ARGUMENT naming
 // the field, and the server keeps serving), admission (RESOURCE_EXHAUSTED),
 // cancellation and deadlines.
-#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
-#include <poll.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <random>
 #include <regex>
 #include <string>
@@ -27,19 +20,18 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "services/language/tokenizer.h"
+#include "tests/integration/service_process.h"
 #include "vlm/v1/language.grpc.pb.h"
-
-extern char** environ;
 
 namespace vlm {
 namespace {
 
-using grpc::health::v1::HealthCheckRequest;
-using grpc::health::v1::HealthCheckResponse;
+using testing::Eventually;
+using testing::ServiceProcess;
 using v1::GenerateRequest;
 using v1::GenerateResponse;
 
@@ -50,89 +42,15 @@ std::string TinyCheckpoint() {
   return std::string(dir ? dir : ".") + "/tiny_checkpoint";
 }
 
-// One vlm-language process; SIGKILLed on destruction if still running.
-class ServerProcess {
- public:
-  explicit ServerProcess(const std::vector<std::string>& flags) {
-    std::vector<std::string> args = {VLM_LANGUAGE_PATH, "--model_dir=" + TinyCheckpoint(),
-                                     "--grpc_address=127.0.0.1:0",
-                                     "--metrics_address=127.0.0.1:0", "--intra_op_threads=1"};
-    args.insert(args.end(), flags.begin(), flags.end());
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    int out[2];
-    if (pipe2(out, O_CLOEXEC) != 0) return;
-    const pid_t parent = getpid();
-    pid_ = fork();
-    if (pid_ == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);
-      dup2(out[1], STDOUT_FILENO);
-      execve(argv[0], argv.data(), environ);
-      _exit(127);
-    }
-    close(out[1]);
-    stdout_fd_ = out[0];
-  }
-  ~ServerProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (stdout_fd_ >= 0) close(stdout_fd_);
-  }
-
-  bool WaitListening(absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    std::string buffer;
-    static const std::regex kLine(R"(vlm: listening grpc=(\S+):(\d+) metrics=(\S+):(\d+))");
-    while (absl::Now() < deadline) {
-      pollfd pfd{stdout_fd_, POLLIN, 0};
-      if (poll(&pfd, 1, 100) <= 0) continue;
-      char chunk[512];
-      const ssize_t n = read(stdout_fd_, chunk, sizeof(chunk));
-      if (n <= 0) return false;
-      buffer.append(chunk, static_cast<size_t>(n));
-      std::smatch m;
-      if (std::regex_search(buffer, m, kLine)) {
-        target = absl::StrCat(m[1].str(), ":", m[2].str());
-        metrics_port = std::stoi(m[4]);
-        return true;
-      }
-    }
-    return false;
-  }
-
-  // The process is still running.
-  bool Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
-
-  std::string target;
-  int metrics_port = 0;
-
- private:
-  pid_t pid_ = -1;
-  int stdout_fd_ = -1;
-};
-
-bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (condition()) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return condition();
-}
-
-std::string Health(grpc::health::v1::Health::Stub& stub) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  HealthCheckRequest request;
-  request.set_service(kService);
-  HealthCheckResponse response;
-  grpc::Status status = stub.Check(&ctx, request, &response);
-  if (!status.ok()) return "error: " + status.error_message();
-  return HealthCheckResponse::ServingStatus_Name(response.status());
+// One vlm-language process on loopback ports of its own, with the tiny
+// checkpoint, one intra-op thread and `flags`; logs under `name`.
+std::unique_ptr<ServiceProcess> StartLanguage(const std::string& name,
+                                              const std::vector<std::string>& flags) {
+  std::vector<std::string> args = {"--model_dir=" + TinyCheckpoint(), "--grpc_address=127.0.0.1:0",
+                                   "--metrics_address=127.0.0.1:0", "--intra_op_threads=1"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  return std::make_unique<ServiceProcess>(
+      VLM_LANGUAGE_PATH, args, testing::TestLogDir("language_service_test") + "/" + name);
 }
 
 // A one-user-turn text request with greedy defaults the tests rely on.
@@ -220,10 +138,9 @@ Streamed Generate(v1::Language::Stub& stub, const GenerateRequest& request,
 // ---------------------------------------------------------------------------
 
 TEST(LanguageWarmUpTest, AnswersUnavailableWhileTheProjectorWarmsUp) {
-  ServerProcess server({"--warmup_delay_ms=2500"});
-  ASSERT_TRUE(server.WaitListening(absl::Seconds(30)));
-  auto channel = grpc::CreateChannel(server.target, grpc::InsecureChannelCredentials());
-  auto health = grpc::health::v1::Health::NewStub(channel);
+  std::unique_ptr<ServiceProcess> server = StartLanguage("warmup", {"--warmup_delay_ms=2500"});
+  ASSERT_TRUE(server->WaitListening(absl::Seconds(30))) << server->LogTail();
+  auto channel = grpc::CreateChannel(server->grpc_target(), grpc::InsecureChannelCredentials());
   auto stub = v1::Language::NewStub(channel);
 
   // Wait for the warm-up phase proper (tokenizer and headers may come first).
@@ -237,14 +154,14 @@ TEST(LanguageWarmUpTest, AnswersUnavailableWhileTheProjectorWarmsUp) {
       },
       absl::Seconds(20)))
       << last_message;
-  EXPECT_EQ(Health(*health), "NOT_SERVING");
+  EXPECT_EQ(server->Health(kService, absl::Seconds(5)), "NOT_SERVING");
   grpc::ClientContext ctx;
   v1::CountTokensResponse count;
   grpc::Status s = stub->CountTokens(&ctx, TextRequest("hi"), &count);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_TRUE(absl::StrContains(s.error_message(), "warming up")) << s.error_message();
 
-  ASSERT_TRUE(Eventually([&] { return Health(*health) == "SERVING"; }, absl::Seconds(30)));
+  ASSERT_TRUE(server->WaitServing(kService, absl::Seconds(30))) << server->LogTail();
   Streamed ok = Generate(*stub, TextRequest("hi", 2));
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
   EXPECT_EQ(ok.ids.size(), 2u);
@@ -254,12 +171,12 @@ TEST(LanguageWarmUpTest, AnswersUnavailableWhileTheProjectorWarmsUp) {
 class LanguageServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = new ServerProcess({"--max_sequences=1", "--max_queue=1", "--max_context=1024"});
-    ASSERT_TRUE(server_->WaitListening(absl::Seconds(30)));
+    server_ =
+        StartLanguage("service", {"--max_sequences=1", "--max_queue=1", "--max_context=1024"});
+    ASSERT_TRUE(server_->WaitListening(absl::Seconds(30))) << server_->LogTail();
     channel_ = new std::shared_ptr<grpc::Channel>(
-        grpc::CreateChannel(server_->target, grpc::InsecureChannelCredentials()));
-    auto health = grpc::health::v1::Health::NewStub(*channel_);
-    ASSERT_TRUE(Eventually([&] { return Health(*health) == "SERVING"; }, absl::Seconds(60)));
+        grpc::CreateChannel(server_->grpc_target(), grpc::InsecureChannelCredentials()));
+    ASSERT_TRUE(server_->WaitServing(kService, absl::Seconds(60))) << server_->LogTail();
     auto tokenizer = language::Tokenizer::Load(TinyCheckpoint());
     ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
     tokenizer_ = tokenizer->release();
@@ -267,14 +184,16 @@ class LanguageServiceTest : public ::testing::Test {
   static void TearDownTestSuite() {
     delete tokenizer_;
     delete channel_;
-    delete server_;
+    server_.reset();
   }
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     ASSERT_NE(tokenizer_, nullptr);
     stub_ = v1::Language::NewStub(*channel_);
   }
-  void TearDown() override { EXPECT_TRUE(server_->Alive()) << "vlm-language died"; }
+  void TearDown() override {
+    EXPECT_TRUE(server_->Alive()) << "vlm-language died\n" << server_->LogTail();
+  }
 
   int32_t CountTokens(const GenerateRequest& request, v1::CountTokensResponse* out = nullptr) {
     grpc::ClientContext ctx;
@@ -286,12 +205,11 @@ class LanguageServiceTest : public ::testing::Test {
     return response.usage().prompt_tokens();
   }
 
-  static ServerProcess* server_;
+  static inline std::unique_ptr<ServiceProcess> server_;
   static std::shared_ptr<grpc::Channel>* channel_;
   static language::Tokenizer* tokenizer_;
   std::unique_ptr<v1::Language::Stub> stub_;
 };
-ServerProcess* LanguageServiceTest::server_ = nullptr;
 std::shared_ptr<grpc::Channel>* LanguageServiceTest::channel_ = nullptr;
 language::Tokenizer* LanguageServiceTest::tokenizer_ = nullptr;
 
@@ -703,34 +621,34 @@ class LanguageEngineServiceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     // Tiny model in bf16: 1 KiB of KV per token, so 1 MiB holds 1024 tokens.
-    server_ = new ServerProcess({"--max_sequences=4", "--max_queue=8", "--max_context=4096",
-                                 "--kv_cache_mb=1", "--kv_block_size=16",
-                                 "--max_batch_tokens=128"});
-    ASSERT_TRUE(server_->WaitListening(absl::Seconds(30)));
+    server_ = StartLanguage("engine", {"--max_sequences=4", "--max_queue=8", "--max_context=4096",
+                                       "--kv_cache_mb=1", "--kv_block_size=16",
+                                       "--max_batch_tokens=128"});
+    ASSERT_TRUE(server_->WaitListening(absl::Seconds(30))) << server_->LogTail();
     channel_ = new std::shared_ptr<grpc::Channel>(
-        grpc::CreateChannel(server_->target, grpc::InsecureChannelCredentials()));
-    auto health = grpc::health::v1::Health::NewStub(*channel_);
-    ASSERT_TRUE(Eventually([&] { return Health(*health) == "SERVING"; }, absl::Seconds(60)));
+        grpc::CreateChannel(server_->grpc_target(), grpc::InsecureChannelCredentials()));
+    ASSERT_TRUE(server_->WaitServing(kService, absl::Seconds(60))) << server_->LogTail();
   }
   static void TearDownTestSuite() {
     delete channel_;
-    delete server_;
+    server_.reset();
   }
   void SetUp() override {
     ASSERT_NE(server_, nullptr);
     stub_ = v1::Language::NewStub(*channel_);
   }
-  void TearDown() override { EXPECT_TRUE(server_->Alive()) << "vlm-language died"; }
+  void TearDown() override {
+    EXPECT_TRUE(server_->Alive()) << "vlm-language died\n" << server_->LogTail();
+  }
   std::string Metrics() {
     httplib::Client http("127.0.0.1", server_->metrics_port);
     auto res = http.Get("/metrics");
     return res && res->status == 200 ? res->body : "";
   }
-  static ServerProcess* server_;
+  static inline std::unique_ptr<ServiceProcess> server_;
   static std::shared_ptr<grpc::Channel>* channel_;
   std::unique_ptr<v1::Language::Stub> stub_;
 };
-ServerProcess* LanguageEngineServiceTest::server_ = nullptr;
 std::shared_ptr<grpc::Channel>* LanguageEngineServiceTest::channel_ = nullptr;
 
 TEST_F(LanguageEngineServiceTest, PromptThatCannotFitTheKvBudgetAloneIsResourceExhausted) {

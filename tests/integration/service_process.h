@@ -1,7 +1,8 @@
 // The process harness of the integration tests: a service binary run as a
 // child process, started with flags (and extra environment), its
 // "vlm: listening grpc=HOST:PORT metrics=HOST:PORT" line read from stdout,
-// signalled (SIGTERM, SIGKILL, SIGSTOP/SIGCONT) and reaped. stdout and stderr
+// its grpc.health.v1 status polled until SERVING, signalled (SIGTERM,
+// SIGKILL, SIGSTOP/SIGCONT) and reaped. stdout and stderr
 // go to files (never a pipe that could fill up), so a failing test can print
 // the log's tail. The child gets SIGKILL if the test process dies, and the
 // destructor kills and reaps it, so no test leaves a process behind.
@@ -11,6 +12,7 @@
 #define VLM_TESTS_INTEGRATION_SERVICE_PROCESS_H_
 
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -29,6 +31,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 
 extern char** environ;
 
@@ -56,6 +59,23 @@ inline bool Eventually(const std::function<bool()>& condition, absl::Duration ti
     absl::SleepFor(absl::Milliseconds(20));
   }
   return condition();
+}
+
+// The grpc.health.v1 status of `service` ("" is the whole server) at `target`
+// ("host:port", plaintext): "SERVING", "NOT_SERVING", ... or "error: <message>"
+// when the call fails, e.g. because nothing answered within `deadline`.
+inline std::string HealthStatus(const std::string& target, const std::string& service = "",
+                                absl::Duration deadline = absl::Seconds(2)) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&ctx, request, &response);
+  if (!status.ok()) return "error: " + status.error_message();
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
 }
 
 class ServiceProcess {
@@ -116,6 +136,22 @@ class ServiceProcess {
     }
     return false;
   }
+
+  // The health status of `service` on this process's gRPC port (see HealthStatus).
+  std::string Health(const std::string& service = "",
+                     absl::Duration deadline = absl::Seconds(2)) const {
+    return HealthStatus(grpc_target(), service, deadline);
+  }
+
+  // Waits (after WaitListening) until `service` is SERVING; false if the
+  // process exits first or on timeout.
+  bool WaitServing(const std::string& service = "", absl::Duration timeout = absl::Seconds(60)) {
+    return Eventually([&] { return Exited() || Health(service) == "SERVING"; }, timeout) &&
+           !Exited();
+  }
+
+  // True while the process runs (not yet exited).
+  bool Alive() { return !Exited(); }
 
   // True once the process has exited (it is then reaped).
   bool Exited() {

@@ -29,93 +29,23 @@
 #include "services/language/decoder.h"
 #include "services/language/projector.h"
 #include "services/language/row_ops.h"
+#include "tests/unit/decoder_fixture.h"
 
 namespace vlm::language {
 namespace {
 
-std::string Env(const char* name, const std::string& fallback = "") {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::string(v) : fallback;
-}
-std::string BinaryDir() { return Env("VLM_BINARY_DIR", "."); }
-std::string TinyDir() { return BinaryDir() + "/tiny_checkpoint"; }
-std::string GoldenDir() { return BinaryDir() + "/goldens/text"; }
+using decoder_fixture::Case;
+using decoder_fixture::kCases;
+using decoder_fixture::kF32Tolerance;
+using decoder_fixture::Model;
+using decoder_fixture::RowError;
 
-constexpr double kF32Tolerance = 1e-4;  // max |diff| / max |logit| per position
-
-// One golden case of text_ref.py.
-struct Case {
-  std::string name;
-  std::vector<int32_t> ids;  // the prompt
-  std::vector<GridThw> grids;
-  at::Tensor last_hidden;
-  std::vector<at::Tensor> taps;
-  std::vector<int32_t> greedy;  // G tokens
-  at::Tensor logits;            // [S + G - 1, vocab]: row S - 1 + i predicts greedy[i]
-  std::vector<int32_t> Full() const {  // prompt + greedy[:-1]
-    std::vector<int32_t> full = ids;
-    full.insert(full.end(), greedy.begin(), greedy.end() - 1);
-    return full;
-  }
-};
-
+// Every test here runs on the tiny checkpoint and its goldens.
 Case ReadCase(const std::string& name) {
-  Case c;
-  c.name = name;
-  auto file = SafetensorsCheckpoint::Open(GoldenDir() + "/text_" + name + ".safetensors");
-  EXPECT_TRUE(file.ok()) << file.status();
-  if (!file.ok()) return c;
-  auto get = [&](const std::string& t) { return (*file)->Tensor(t).value().clone(); };
-  at::Tensor ids = get("input_ids");
-  for (int64_t i = 0; i < ids.numel(); ++i) c.ids.push_back(static_cast<int32_t>(ids[i].item<int64_t>()));
-  if ((*file)->Has("grid_thw")) {
-    at::Tensor g = get("grid_thw");
-    for (int64_t i = 0; i < g.size(0); ++i) {
-      c.grids.push_back({g[i][0].item<int64_t>(), g[i][1].item<int64_t>(), g[i][2].item<int64_t>()});
-    }
-    c.last_hidden = get("features.last_hidden");
-    for (int j = 0; (*file)->Has("features.deepstack." + std::to_string(j)); ++j) {
-      c.taps.push_back(get("features.deepstack." + std::to_string(j)));
-    }
-  }
-  at::Tensor greedy = get("greedy");
-  for (int64_t i = 0; i < greedy.numel(); ++i) c.greedy.push_back(static_cast<int32_t>(greedy[i].item<int64_t>()));
-  c.logits = get("logits");
-  return c;
+  return decoder_fixture::ReadCase(decoder_fixture::GoldenDir(), name);
 }
-
-const char* kCases[] = {"text", "one_image", "two_images"};
-
-double RowError(const at::Tensor& got, const at::Tensor& want) {
-  return (got - want).abs().max().item<double>() / want.abs().max().item<double>();
-}
-
-struct Model {
-  std::shared_ptr<const SafetensorsCheckpoint> checkpoint;
-  ModelConfig config;
-  std::unique_ptr<Projector> projector;
-  std::unique_ptr<Decoder> decoder;
-};
-
 Model Load(ComputeDType dtype, DecoderOptions options = {}) {
-  Model m;
-  auto ckpt = SafetensorsCheckpoint::Open(TinyDir());
-  EXPECT_TRUE(ckpt.ok()) << ckpt.status();
-  if (!ckpt.ok()) return m;
-  m.checkpoint = std::shared_ptr<const SafetensorsCheckpoint>(*std::move(ckpt));
-  auto config = LoadModelConfig(TinyDir());
-  EXPECT_TRUE(config.ok()) << config.status();
-  m.config = *config;
-  ProjectorOptions po;
-  po.compute_dtype = dtype;
-  auto projector = Projector::Load(*m.checkpoint, m.config, po);
-  EXPECT_TRUE(projector.ok()) << projector.status();
-  if (projector.ok()) m.projector = *std::move(projector);
-  options.compute_dtype = dtype;
-  auto decoder = Decoder::Load(m.checkpoint, m.config, options);
-  EXPECT_TRUE(decoder.ok()) << decoder.status();
-  if (decoder.ok()) m.decoder = *std::move(decoder);
-  return m;
+  return decoder_fixture::Load(decoder_fixture::TinyDir(), dtype, std::move(options));
 }
 
 // A sequence as the engine holds it: its tokens, MRoPE positions, projector

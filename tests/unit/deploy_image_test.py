@@ -166,6 +166,9 @@ def check_dockerfile():
     check("vlm-health-probe" in built_targets, "build.sh builds vlm-health-probe")
     exposed = " ".join(rest for i, rest in runtime["instructions"] if i == "EXPOSE").split()
     check(sorted(exposed) == ["50051", "9090"], f"runtime EXPOSE 50051 9090 ({exposed})")
+    gateway_stage = next((s for s in stages if s["name"] == "gateway"), {"instructions": []})
+    gw_exposed = " ".join(rest for i, rest in gateway_stage["instructions"] if i == "EXPOSE").split()
+    check(gw_exposed == ["8080"], f"target gateway EXPOSE 8080, its HTTP listener ({gw_exposed})")
     renv = " ".join(rest for i, rest in runtime["instructions"] if i == "ENV")
     check("VLM_GRPC_ADDRESS=0.0.0.0:50051" in renv and "VLM_METRICS_ADDRESS=0.0.0.0:9090" in renv,
           "runtime listens on 50051 (gRPC) and 9090 (metrics)")
@@ -315,6 +318,9 @@ def check_compose(flags):
     gw = services.get("gateway", {}).get("environment", {})
     check(gw.get("VLM_VISION_DNS") == "vision:50051" and gw.get("VLM_LANGUAGE_TARGET") == "language:50051",
           f"compose gateway points at vision (DNS) and language: {gw}")
+    gw_ports = services.get("gateway", {}).get("ports") or []
+    check("127.0.0.1:8080:8080" in gw_ports,
+          f"compose gateway publishes its HTTP listener on 127.0.0.1:8080: {gw_ports}")
     deps = services.get("gateway", {}).get("depends_on", {})
     check(all(deps.get(b, {}).get("condition") == "service_healthy" for b in ("vision", "language")),
           "compose gateway waits for healthy backends")

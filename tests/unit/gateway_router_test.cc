@@ -169,6 +169,10 @@ TEST(ErrorMappingTest, LanguageErrorsSayItWasTheLanguageService) {
   grpc::Status s = MapLanguageError(grpc::Status(grpc::StatusCode::UNAVAILABLE, "Socket closed"), 7);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(s.error_message(), "language service unavailable: Socket closed (after 7 streamed chunks)");
+  s = MapLanguageError(grpc::Status(grpc::StatusCode::UNAVAILABLE, "Socket closed"), 0,
+                       "vlm-language:50051");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(s.error_message(), "language service unavailable (vlm-language:50051): Socket closed");
   s = MapLanguageError(grpc::Status(grpc::StatusCode::UNKNOWN, ""), 0);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
   s = MapLanguageError(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "2 sequences running"), 0);

@@ -256,6 +256,25 @@ def check_overlay(name, docs):
             check(re.fullmatch(rf"{s}(\.[a-z0-9.-]+)?:{port}", genv.get(var) or "") is not None,
                   f"{where} gateway {var}={genv.get(var)} names Service {s}:{port}")
 
+    # The gateway's HTTP listener (OpenAI API, web page): a container port named
+    # http at VLM_HTTP_ADDRESS, a port of the gateway Service, open to ingress.
+    if "gateway" in pods:
+        c = pods["gateway"][3]
+        http_port = container_port(c, "http")
+        check(http_port is not None
+              and port_of(env_of(c).get("VLM_HTTP_ADDRESS", "0.0.0.0:8080")) == http_port,
+              f"{where} gateway: container port http is VLM_HTTP_ADDRESS's port")
+        svc_ports = services.get("vlm-gateway", {}).get("spec", {}).get("ports") or []
+        check(http_port is not None and any(
+            container_port(c, p.get("targetPort", p["port"])) == http_port for p in svc_ports),
+              f"{where} Service vlm-gateway exposes the HTTP port")
+        check(http_port is not None and any(
+            p["metadata"]["name"] == "vlm-gateway"
+            and any(container_port(c, pp.get("port")) == http_port
+                    for rule in p["spec"].get("ingress") or [] for pp in rule.get("ports") or [])
+            for p in by_kind.get("NetworkPolicy", [])),
+              f"{where} NetworkPolicy vlm-gateway admits ingress to the HTTP port")
+
     # HPA: targets the vision Deployment (prod); dev has none and one replica each.
     hpas = by_kind.get("HorizontalPodAutoscaler", [])
     for h in hpas:
