@@ -9,6 +9,10 @@
 //     memory-bandwidth bound: streams x read bandwidth / weight bytes of one
 //     decode step (a batched step reads every weight once), the bandwidth
 //     measured by this process in the same run;
+//     Also the steady-state rate: tokens that arrived while every stream was
+//     decoding (between the latest first token and the earliest last one), over
+//     that window, which leaves out the other streams' prefill; and the language
+//     engine's own decode-iteration time (vlm_language_iteration_seconds);
 //   - time to first token p50 / p95 at each concurrency;
 //   - a conversation about one 448x448 image, 3 turns (each turn resends the
 //     history with the previous answers): TTFT per turn, turn2 / turn1.
@@ -19,6 +23,7 @@
 //
 //   vlm-bench-serving --model_dir ~/.cache/vlm/checkpoints/2b
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 #include <png.h>
 #include <unistd.h>
 
@@ -135,6 +140,7 @@ struct StreamResult {
   bool ok = false;
   std::string error;
   Clock::time_point start, first, last;
+  std::vector<Clock::time_point> token_times;  // one per generated token (logprobs entries)
   int tokens = 0;
   std::string text;
   int cached_prompt_tokens = 0;
@@ -153,6 +159,7 @@ StreamResult Chat(vlm::v1::VisionLanguage::Stub& stub, const vlm::v1::ChatReques
       if (r.first == Clock::time_point{}) r.first = now;
       r.last = now;
     }
+    for (int i = 0; i < chunk.logprobs_size(); ++i) r.token_times.push_back(now);
     r.text += chunk.text();
     if (chunk.has_usage()) {
       r.tokens = chunk.usage().completion_tokens();
@@ -172,6 +179,7 @@ vlm::v1::ChatRequest TextChat(const std::string& text, int max_tokens) {
   m->add_content()->set_text(text);
   request.mutable_params()->set_max_tokens(max_tokens);
   request.mutable_params()->set_ignore_eos(true);
+  request.mutable_params()->set_logprobs(true);  // one entry per token: arrival times per token
   request.mutable_params()->mutable_sampling()->set_temperature(0.0f);
   return request;
 }
@@ -179,6 +187,8 @@ vlm::v1::ChatRequest TextChat(const std::string& text, int max_tokens) {
 struct ConcurrencyRow {
   int streams = 0;
   double tokens_per_s = 0;  // median over rounds
+  double steady_tokens_per_s = 0;  // median over rounds: while every stream decodes
+  double decode_iteration_ms = 0;  // the engine's mean decode-only iteration, all rounds
   double ttft_p50_ms = 0, ttft_p95_ms = 0;
   int failures = 0;
 };
@@ -192,6 +202,28 @@ struct ConfigResult {
   TurnRow turns;
   std::string error;
 };
+
+// Sum and count of the language engine's decode-only iterations, from its /metrics.
+struct IterationTotals {
+  double seconds = 0;
+  double count = 0;
+};
+IterationTotals ScrapeDecodeIterations(const std::string& host, int port) {
+  IterationTotals t;
+  httplib::Client client(host, port);
+  client.set_read_timeout(5, 0);
+  httplib::Result res = client.Get("/metrics");
+  if (!res || res->status != 200) return t;
+  for (absl::string_view line : absl::StrSplit(res->body, '\n')) {
+    if (!absl::StrContains(line, "phase=\"decode\"")) continue;
+    const size_t space = line.rfind(' ');
+    double v = 0;
+    if (space == absl::string_view::npos || !absl::SimpleAtod(line.substr(space + 1), &v)) continue;
+    if (absl::StartsWith(line, "vlm_language_iteration_seconds_sum")) t.seconds = v;
+    if (absl::StartsWith(line, "vlm_language_iteration_seconds_count")) t.count = v;
+  }
+  return t;
+}
 
 bool WaitServing(const std::string& target, absl::Duration timeout) {
   auto stub = grpc::health::v1::Health::NewStub(
@@ -253,7 +285,9 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_streams), ',', absl::SkipEmpty())) {
     ConcurrencyRow row;
     if (!absl::SimpleAtoi(s, &row.streams) || row.streams < 1) continue;
-    std::vector<double> rates, ttft;
+    std::vector<double> rates, steady, ttft;
+    const IterationTotals before =
+        ScrapeDecodeIterations(language.metrics_host, language.metrics_port);
     for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round, ++round_id) {
       std::vector<StreamResult> results(row.streams);
       std::vector<std::thread> threads_v;
@@ -281,7 +315,27 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
         ttft.push_back(Seconds(r.start, r.first) * 1000);
       }
       if (last > first) rates.push_back(static_cast<double>(after_first) / Seconds(first, last));
+      // Steady state: from the latest first token to the earliest last token.
+      Clock::time_point all_in = Clock::time_point{}, first_out = Clock::time_point::max();
+      for (const StreamResult& r : results) {
+        if (!r.ok || r.token_times.size() < 2) continue;
+        all_in = std::max(all_in, r.token_times.front());
+        first_out = std::min(first_out, r.token_times.back());
+      }
+      if (first_out > all_in) {
+        int64_t inside = 0;
+        for (const StreamResult& r : results) {
+          for (const Clock::time_point& t : r.token_times) inside += t > all_in && t <= first_out;
+        }
+        steady.push_back(static_cast<double>(inside) / Seconds(all_in, first_out));
+      }
     }
+    const IterationTotals after =
+        ScrapeDecodeIterations(language.metrics_host, language.metrics_port);
+    if (after.count > before.count) {
+      row.decode_iteration_ms = 1000 * (after.seconds - before.seconds) / (after.count - before.count);
+    }
+    row.steady_tokens_per_s = Percentile(steady, 0.5);
     row.tokens_per_s = Percentile(rates, 0.5);
     row.ttft_p50_ms = Percentile(ttft, 0.5);
     row.ttft_p95_ms = Percentile(ttft, 0.95);
@@ -382,17 +436,25 @@ int main(int argc, char** argv) {
   std::printf("decode weight bytes per step %.0f MiB; read bandwidth %.1f GB/s (best of the run, "
               "%d threads) => bound %.1f steps/s\n\n",
               weight_bytes / 1048576.0, bandwidth / 1e9, threads, bound_1);
-  std::printf("| config | streams | decode tok/s (aggregate) | x 1 stream | bound tok/s | "
-              "TTFT p50 ms | TTFT p95 ms | failed |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf("aggregate: every stream's tokens after its first, from the earliest first token "
+              "to the latest last one (includes the other streams' prefill); steady: only while "
+              "every stream decodes; iteration: the engine's mean decode-only iteration\n\n");
+  std::printf("| config | streams | decode tok/s (aggregate) | x 1 stream | steady tok/s | "
+              "x 1 stream | decode iteration ms | bound tok/s | TTFT p50 ms | TTFT p95 ms | "
+              "failed |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  auto ratio = [](double v, double one) {
+    return one > 0 ? absl::StrFormat("%.2f", v / one) : std::string("-");
+  };
   for (const ConfigResult& r : results) {
-    double one = 0;
+    double one = 0, one_steady = 0;
     for (const ConcurrencyRow& row : r.rows) {
-      if (row.streams == 1) one = row.tokens_per_s;
+      if (row.streams == 1) one = row.tokens_per_s, one_steady = row.steady_tokens_per_s;
     }
     for (const ConcurrencyRow& row : r.rows) {
-      std::printf("| %s | %d | %.1f | %s | %.1f | %.0f | %.0f | %d |\n", r.name.c_str(),
-                  row.streams, row.tokens_per_s,
-                  one > 0 ? absl::StrFormat("%.2f", row.tokens_per_s / one).c_str() : "-",
+      std::printf("| %s | %d | %.1f | %s | %.1f | %s | %.0f | %.1f | %.0f | %.0f | %d |\n",
+                  r.name.c_str(), row.streams, row.tokens_per_s,
+                  ratio(row.tokens_per_s, one).c_str(), row.steady_tokens_per_s,
+                  ratio(row.steady_tokens_per_s, one_steady).c_str(), row.decode_iteration_ms,
                   bound_1 * row.streams, row.ttft_p50_ms, row.ttft_p95_ms, row.failures);
     }
   }

@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
     if (!started.ok()) {
       vlm::LogError(kComponent, "cannot start HTTP", {{"error", started.status().ToString()}});
       server.Shutdown(started.status());
-      server.Wait();
+      server.Wait().IgnoreError();  // the start failure above is what this exit reports
       return 1;
     }
     http = *std::move(started);
