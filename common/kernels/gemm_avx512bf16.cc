@@ -98,8 +98,67 @@ VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const u
   }
 }
 
-// K elements per block when K is long (even, so pairs never straddle blocks).
-constexpr int64_t kKBlock = 1024;
+// K elements per block (even, so pairs never straddle blocks): a panel's
+// slice is kKBlock·64 bytes = 16 KiB, half of Zen 4's L1D.
+constexpr int64_t kKBlock = 256;
+// Row stride of the copied x slice, in elements: 576 bytes = 9 cache lines,
+// so the 12 rows of a tile start in 12 different L1 sets.
+constexpr int64_t kXStride = kKBlock + 32;
+
+// Micro<R, P> on a copied x slice (row stride kXStride, and an even length:
+// an odd kc has a zero after its last element, matching the panel's zero
+// padding, so the last pair is (x[k-1], 0) as in Micro). Same sums in the same
+// order as Micro. kPrefetch: also pull the 128·pairs bytes at `prefetch` (the
+// next panel slice) into L2, two lines per pair.
+template <int R, int P, bool kPrefetch = false>
+VLM_TARGET inline void MicroPacked(const uint16_t* x, int64_t k, const uint16_t* panel,
+                                   int64_t panel_stride, float* out, bool accumulate,
+                                   const uint16_t* prefetch = nullptr) {
+  __m512 acc[P][2][R];
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if (accumulate) {
+        acc[q][0][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols);
+        acc[q][1][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16);
+      } else {
+        acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
+      }
+    }
+  const int64_t pairs = (k + 1) / 2;
+  const uint16_t* b = panel;
+  for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
+    if constexpr (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols + kPanelCols),
+                   _MM_HINT_T1);
+    }
+    __m512bh bv[P][2];
+#pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) {
+      bv[q][0] = (__m512bh)_mm512_load_si512(b + q * panel_stride);
+      bv[q][1] = (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)BroadcastPair(x + r * kXStride + 2 * p);
+#pragma GCC unroll 8
+      for (int q = 0; q < P; ++q) {
+        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a, bv[q][0]);
+        acc[q][1][r] = _mm512_dpbf16_ps(acc[q][1][r], a, bv[q][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols, acc[q][0][r]);
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16, acc[q][1][r]);
+    }
+  }
+}
 
 // Panels computed together for a tile of `rows` rows.
 constexpr int PanelsFor(int rows) { return rows == 1 ? 6 : rows == 2 ? 3 : rows <= 5 ? 2 : 1; }
@@ -115,6 +174,30 @@ VLM_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint
     }
   }
   Micro<R, P>(x, ld_x, k, panel, panel_stride, out, accumulate);
+}
+
+template <int R, int P = PanelsFor(R)>
+VLM_TARGET void MicroPackedRows(const uint16_t* x, int64_t k, const uint16_t* panel,
+                                int64_t panel_stride, int panels, float* out, bool accumulate) {
+  if constexpr (P > 1) {
+    if (panels < P) {
+      return MicroPackedRows<R, P - 1>(x, k, panel, panel_stride, panels, out, accumulate);
+    }
+  }
+  MicroPacked<R, P>(x, k, panel, panel_stride, out, accumulate);
+}
+
+// MicroDispatch on a copied x slice.
+template <int R = kMicroRows>
+VLM_TARGET void MicroPackedDispatch(const uint16_t* x, int rows, int64_t k, const uint16_t* panel,
+                                    int64_t panel_stride, int panels, float* acc,
+                                    bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      return MicroPackedDispatch<R - 1>(x, rows, k, panel, panel_stride, panels, acc, accumulate);
+    }
+  }
+  MicroPackedRows<R>(x, k, panel, panel_stride, panels, acc, accumulate);
 }
 
 // `panels` (≤ PanelsFor(rows)) consecutive panels for `rows` rows.
@@ -244,46 +327,70 @@ VLM_TARGET void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_
                                 int64_t j1) {
   const int64_t stride = p.w.kpairs * 2 * kPanelCols;
   const int64_t k = p.w.k;
-  // Up to 2560 (the 2B's K = 1024, 2048): one K block, sums stay in registers
-  // (measured: blocking K = 2048 lost ~15% on one thread; K = 4096 gained ~10%).
-  if (k <= 2560) {
-    alignas(64) float acc[kMaxPanels * kMicroRows * kPanelCols];
-    for (int64_t m = m0; m < m1; m += kMicroRows) {
-      const int rows = static_cast<int>(m1 - m < kMicroRows ? m1 - m : kMicroRows);
-      const int group = PanelsFor(rows);
-      const uint16_t* x = p.x + m * p.ld_x;
-      for (int64_t j = j0; j < j1; j += group) {
-        const int panels = static_cast<int>(j1 - j < group ? j1 - j : group);
-        MicroDispatch(x, p.ld_x, rows, k, p.w.panel(j), stride, panels, acc);
-        for (int q = 0; q < panels; ++q) {
-          StoreTile(p.epilogue, m, rows, j + q, acc + q * kMicroRows * kPanelCols);
+  const int64_t panels = j1 - j0;
+  const int64_t full_tiles = (m1 - m0) / kMicroRows;
+  const int tail_rows = static_cast<int>((m1 - m0) % kMicroRows);
+  const int64_t tiles = full_tiles + (tail_rows > 0 ? 1 : 0);
+  const int tail_group = tail_rows > 0 ? PanelsFor(tail_rows) : 1;
+  constexpr int64_t kTile = kMicroRows * kPanelCols;  // floats per [12][32] tile
+
+  // Per thread: the task's rows of x for one K block, copied at a row stride
+  // that puts the 12 rows of a tile in different L1 sets (rows of the 2B's
+  // K = 2048 or 4096 are 4 or 8 KiB apart, so read in place all 12 fall in
+  // one 8-way set and evict each other on every pair); and the f32 sums of
+  // every (tile, panel) between K blocks (tile t, panel j at (t·panels + j)·kTile).
+  thread_local std::vector<uint16_t> x_buf;
+  thread_local std::vector<float> sums_buf;
+  x_buf.resize(static_cast<size_t>(tiles * kMicroRows * kXStride + 32));
+  sums_buf.resize(static_cast<size_t>((tiles * panels + kMaxPanels) * kTile + 16));
+  uint16_t* xs = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(x_buf.data()) + 63) & ~uintptr_t{63});
+  float* sums = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
+
+  for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
+    const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
+    const bool accumulate = k0 > 0;
+    for (int64_t m = m0; m < m1; ++m) {
+      uint16_t* dst = xs + (m - m0) * kXStride;
+      std::memcpy(dst, p.x + m * p.ld_x + k0, kc * sizeof(uint16_t));
+      if (kc & 1) dst[kc] = 0;  // the last pair is (x[k-1], 0)
+    }
+    // Full tiles: panel-slice outer, so the slice (kKBlock·64 bytes) is read
+    // from L1 by every tile after the first.
+    for (int64_t j = j0; j < j1; ++j) {
+      const uint16_t* w = p.w.panel(j) + k0 * kPanelCols;
+      // The first tile pulls the next slice (next panel, or the first panel's
+      // next K block) towards L2 while it reads this one.
+      const uint16_t* next =
+          j + 1 < j1 ? w + stride : p.w.panel(j0) + (k0 + kKBlock) * kPanelCols;
+      const bool prefetch = j + 1 < j1 || k0 + kKBlock < k;  // (prefetches never fault)
+      for (int64_t t = 0; t < full_tiles; ++t) {
+        if (t == 0 && prefetch) {
+          MicroPacked<kMicroRows, 1, true>(xs, kc, w, stride, sums + (j - j0) * kTile, accumulate,
+                                           next);
+        } else {
+          MicroPacked<kMicroRows, 1>(xs + t * kMicroRows * kXStride, kc, w, stride,
+                                     sums + (t * panels + (j - j0)) * kTile, accumulate);
         }
       }
     }
-  } else {
-    // K in blocks of kKBlock: a row tile's slice of x (12 x 1024 bf16 = 24 KiB)
-    // stays in L1 while every panel of the range passes; f32 partial sums
-    // wait in `sums` between blocks.
-    thread_local std::vector<float> sums_buf;
-    const int64_t panels_total = j1 - j0;
-    sums_buf.resize(static_cast<size_t>((panels_total + kMaxPanels) * kMicroRows * kPanelCols + 16));
-    float* sums = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
-    for (int64_t m = m0; m < m1; m += kMicroRows) {
-      const int rows = static_cast<int>(m1 - m < kMicroRows ? m1 - m : kMicroRows);
-      const int group = PanelsFor(rows);
-      const uint16_t* x = p.x + m * p.ld_x;
-      for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
-        const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
-        for (int64_t j = j0; j < j1; j += group) {
-          const int panels = static_cast<int>(j1 - j < group ? j1 - j : group);
-          MicroDispatch(x + k0, p.ld_x, rows, kc, p.w.panel(j) + k0 * kPanelCols, stride, panels,
-                        sums + (j - j0) * kMicroRows * kPanelCols, k0 > 0);
-        }
+    // The last, partial tile takes several panels at a time (PanelsFor).
+    if (tail_rows > 0) {
+      for (int64_t j = j0; j < j1; j += tail_group) {
+        const int group = static_cast<int>(j1 - j < tail_group ? j1 - j : tail_group);
+        // MicroDispatch writes `group` tiles kTile apart: the layout of one
+        // tile's consecutive panels.
+        MicroPackedDispatch(xs + full_tiles * kMicroRows * kXStride, tail_rows, kc,
+                            p.w.panel(j) + k0 * kPanelCols, stride, group,
+                            sums + (full_tiles * panels + (j - j0)) * kTile, accumulate);
       }
-      for (int64_t j = j0; j < j1; ++j) {
-        StoreTile(p.epilogue, m, rows, j, sums + (j - j0) * kMicroRows * kPanelCols);
-      }
+    }
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int rows = t < full_tiles ? kMicroRows : tail_rows;
+    for (int64_t j = j0; j < j1; ++j) {
+      StoreTile(p.epilogue, m0 + t * kMicroRows, rows, j, sums + (t * panels + (j - j0)) * kTile);
     }
   }
   // Callers run SSE code next: leave the upper vector state clean.
