@@ -4,6 +4,7 @@
 // registers; per k-pair one broadcast of (x[r,2p], x[r,2p+1]) per row and two
 // 64-byte panel loads feed 2R VDPBF16PS. Each sum runs over the pairs in
 // order, whatever R is, which is what makes rows batch-invariant.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -176,30 +177,6 @@ VLM_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint
   Micro<R, P>(x, ld_x, k, panel, panel_stride, out, accumulate);
 }
 
-template <int R, int P = PanelsFor(R)>
-VLM_TARGET void MicroPackedRows(const uint16_t* x, int64_t k, const uint16_t* panel,
-                                int64_t panel_stride, int panels, float* out, bool accumulate) {
-  if constexpr (P > 1) {
-    if (panels < P) {
-      return MicroPackedRows<R, P - 1>(x, k, panel, panel_stride, panels, out, accumulate);
-    }
-  }
-  MicroPacked<R, P>(x, k, panel, panel_stride, out, accumulate);
-}
-
-// MicroDispatch on a copied x slice.
-template <int R = kMicroRows>
-VLM_TARGET void MicroPackedDispatch(const uint16_t* x, int rows, int64_t k, const uint16_t* panel,
-                                    int64_t panel_stride, int panels, float* acc,
-                                    bool accumulate) {
-  if constexpr (R > 1) {
-    if (rows < R) {
-      return MicroPackedDispatch<R - 1>(x, rows, k, panel, panel_stride, panels, acc, accumulate);
-    }
-  }
-  MicroPackedRows<R>(x, k, panel, panel_stride, panels, acc, accumulate);
-}
-
 // `panels` (≤ PanelsFor(rows)) consecutive panels for `rows` rows.
 VLM_TARGET void MicroDispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                               const uint16_t* panel, int64_t panel_stride, int panels,
@@ -330,67 +307,86 @@ VLM_TARGET void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_
   const int64_t panels = j1 - j0;
   const int64_t full_tiles = (m1 - m0) / kMicroRows;
   const int tail_rows = static_cast<int>((m1 - m0) % kMicroRows);
-  const int64_t tiles = full_tiles + (tail_rows > 0 ? 1 : 0);
-  const int tail_group = tail_rows > 0 ? PanelsFor(tail_rows) : 1;
   constexpr int64_t kTile = kMicroRows * kPanelCols;  // floats per [12][32] tile
 
-  // Per thread: the task's rows of x for one K block, copied at a row stride
-  // that puts the 12 rows of a tile in different L1 sets (rows of the 2B's
-  // K = 2048 or 4096 are 4 or 8 KiB apart, so read in place all 12 fall in
-  // one 8-way set and evict each other on every pair); and the f32 sums of
-  // every (tile, panel) between K blocks (tile t, panel j at (t·panels + j)·kTile).
+  // Per thread: x rows copied at a row stride that puts the rows of a tile in
+  // different L1 sets (rows of the 2B's K = 2048 or 4096 are 4 or 8 KiB
+  // apart, so read in place all 12 fall in one 8-way set and evict each other
+  // on every pair); and the f32 sums of every (full tile, panel) between K
+  // blocks (tile t, panel j at (t·panels + j)·kTile).
   thread_local std::vector<uint16_t> x_buf;
   thread_local std::vector<float> sums_buf;
-  x_buf.resize(static_cast<size_t>(tiles * kMicroRows * kXStride + 32));
-  sums_buf.resize(static_cast<size_t>((tiles * panels + kMaxPanels) * kTile + 16));
+  // Short-chunk rows: one cache line longer than K rounded up, so row r
+  // starts r sets further on.
+  const int64_t ld_tail = (k + 31) / 32 * 32 + 32;
+  x_buf.resize(static_cast<size_t>(
+      std::max((m1 - m0) * kXStride, tail_rows * ld_tail) + 32));
   uint16_t* xs = reinterpret_cast<uint16_t*>(
       (reinterpret_cast<uintptr_t>(x_buf.data()) + 63) & ~uintptr_t{63});
-  float* sums = reinterpret_cast<float*>(
-      (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
 
-  for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
-    const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
-    const bool accumulate = k0 > 0;
-    for (int64_t m = m0; m < m1; ++m) {
-      uint16_t* dst = xs + (m - m0) * kXStride;
-      std::memcpy(dst, p.x + m * p.ld_x + k0, kc * sizeof(uint16_t));
-      if (kc & 1) dst[kc] = 0;  // the last pair is (x[k-1], 0)
-    }
-    // Full tiles: panel-slice outer, so the slice (kKBlock·64 bytes) is read
-    // from L1 by every tile after the first.
-    for (int64_t j = j0; j < j1; ++j) {
-      const uint16_t* w = p.w.panel(j) + k0 * kPanelCols;
-      // The first tile pulls the next slice (next panel, or the first panel's
-      // next K block) towards L2 while it reads this one.
-      const uint16_t* next =
-          j + 1 < j1 ? w + stride : p.w.panel(j0) + (k0 + kKBlock) * kPanelCols;
-      const bool prefetch = j + 1 < j1 || k0 + kKBlock < k;  // (prefetches never fault)
-      for (int64_t t = 0; t < full_tiles; ++t) {
-        if (t == 0 && prefetch) {
-          MicroPacked<kMicroRows, 1, true>(xs, kc, w, stride, sums + (j - j0) * kTile, accumulate,
-                                           next);
-        } else {
-          MicroPacked<kMicroRows, 1>(xs + t * kMicroRows * kXStride, kc, w, stride,
-                                     sums + (t * panels + (j - j0)) * kTile, accumulate);
+  // With full tiles: K in blocks of kKBlock. Per block all rows' x slices are
+  // copied once, then each panel slice (kKBlock·64 bytes) is read from L1 by
+  // every tile after the first, and the first tile prefetches the next slice;
+  // the partial tile follows while the block's slices are still in L2.
+  if (full_tiles > 0) {
+    const int64_t tiles = full_tiles + (tail_rows > 0 ? 1 : 0);
+    sums_buf.resize(static_cast<size_t>((tiles * panels + kMaxPanels) * kTile + 16));
+    float* sums = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
+    const int group = tail_rows > 0 ? PanelsFor(tail_rows) : 1;
+    for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
+      const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
+      const bool accumulate = k0 > 0;
+      for (int64_t r = 0; r < m1 - m0; ++r) {
+        uint16_t* dst = xs + r * kXStride;
+        std::memcpy(dst, p.x + (m0 + r) * p.ld_x + k0, kc * sizeof(uint16_t));
+        if (kc & 1) dst[kc] = 0;  // the last pair is (x[k-1], 0)
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint16_t* w = p.w.panel(j) + k0 * kPanelCols;
+        const uint16_t* next =
+            j + 1 < j1 ? w + stride : p.w.panel(j0) + (k0 + kKBlock) * kPanelCols;
+        const bool prefetch = j + 1 < j1 || k0 + kKBlock < k;  // (prefetches never fault)
+        for (int64_t t = 0; t < full_tiles; ++t) {
+          float* out = sums + (t * panels + (j - j0)) * kTile;
+          if (t == 0 && prefetch) {
+            MicroPacked<kMicroRows, 1, true>(xs, kc, w, stride, out, accumulate, next);
+          } else {
+            MicroPacked<kMicroRows, 1>(xs + t * kMicroRows * kXStride, kc, w, stride, out,
+                                       accumulate);
+          }
+        }
+      }
+      if (tail_rows > 0) {
+        for (int64_t j = j0; j < j1; j += group) {
+          const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
+          // MicroDispatch writes n tiles kTile apart: one tile's consecutive panels.
+          MicroDispatch(xs + full_tiles * kMicroRows * kXStride, kXStride, tail_rows, kc,
+                        p.w.panel(j) + k0 * kPanelCols, stride, n,
+                        sums + (full_tiles * panels + (j - j0)) * kTile, accumulate);
         }
       }
     }
-    // The last, partial tile takes several panels at a time (PanelsFor).
-    if (tail_rows > 0) {
-      for (int64_t j = j0; j < j1; j += tail_group) {
-        const int group = static_cast<int>(j1 - j < tail_group ? j1 - j : tail_group);
-        // MicroDispatch writes `group` tiles kTile apart: the layout of one
-        // tile's consecutive panels.
-        MicroPackedDispatch(xs + full_tiles * kMicroRows * kXStride, tail_rows, kc,
-                            p.w.panel(j) + k0 * kPanelCols, stride, group,
-                            sums + (full_tiles * panels + (j - j0)) * kTile, accumulate);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = t < full_tiles ? kMicroRows : tail_rows;
+      for (int64_t j = j0; j < j1; ++j) {
+        StoreTile(p.epilogue, m0 + t * kMicroRows, rows, j, sums + (t * panels + (j - j0)) * kTile);
       }
     }
-  }
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int rows = t < full_tiles ? kMicroRows : tail_rows;
-    for (int64_t j = j0; j < j1; ++j) {
-      StoreTile(p.epilogue, m0 + t * kMicroRows, rows, j, sums + (t * panels + (j - j0)) * kTile);
+  } else {
+    // Fewer than 12 rows (a short prefill chunk): PanelsFor(rows) panels at a
+    // time over the whole K, sums in registers. The weights' bandwidth is the
+    // limit here, and walking each panel front to back keeps the hardware
+    // prefetcher on a few long streams (K blocks measured 1.5-3x slower).
+    for (int r = 0; r < tail_rows; ++r) {
+      std::memcpy(xs + r * ld_tail, p.x + (m0 + r) * p.ld_x, k * sizeof(uint16_t));
+    }
+    const int group = PanelsFor(tail_rows);
+    alignas(64) float acc[kMaxPanels * kTile];
+    for (int64_t j = j0; j < j1; j += group) {
+      const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
+      MicroDispatch(xs, ld_tail, tail_rows, k, p.w.panel(j), stride, n, acc);
+      for (int q = 0; q < n; ++q) StoreTile(p.epilogue, m0, tail_rows, j + q, acc + q * kTile);
     }
   }
   // Callers run SSE code next: leave the upper vector state clean.
