@@ -24,7 +24,7 @@
 //      a cliff is a step M-1 -> M where the time per row rises by more than
 //      1.3x. Summarised per 64 rows; flagged M listed.
 //
-// Usage: vlm-bench-gemm [--threads 2] [--reps 5] [--cliff_max 1024] [--cliff_reps 3]
+// Usage: vlm-bench-gemm [--threads 2] [--reps 3] [--cliff_max 1024] [--cliff_reps 3]
 //                       [--wall 1]  (--wall 0: skip tables 1 and 2)
 // GCC 12 AVX-512 headers warn about their own "undefined" vectors when inlined.
 #pragma GCC diagnostic push
@@ -408,7 +408,7 @@ int main(int argc, char** argv) {
   vlm::EnsureOmpWaitPolicy(argv);  // at::linear as the services run it: see omp_wait_policy.h
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as rows finish
   const int threads = ArgInt(argc, argv, "--threads", 2);
-  const int reps = std::max(1, ArgInt(argc, argv, "--reps", 5));
+  const int reps = std::max(1, ArgInt(argc, argv, "--reps", 3));
   const int cliff_max = ArgInt(argc, argv, "--cliff_max", 1024);
   const int cliff_reps = std::max(1, ArgInt(argc, argv, "--cliff_reps", 3));
   const bool wall_tables = ArgInt(argc, argv, "--wall", 1) != 0;
