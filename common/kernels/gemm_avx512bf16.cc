@@ -4,6 +4,7 @@
 // registers; per k-pair one broadcast of (x[r,2p], x[r,2p+1]) per row and two
 // 64-byte panel loads feed 2R VDPBF16PS. Each sum runs over the pairs in
 // order, whatever R is, which is what makes rows batch-invariant.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -98,8 +99,67 @@ VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const u
   }
 }
 
-// K elements per block when K is long (even, so pairs never straddle blocks).
-constexpr int64_t kKBlock = 1024;
+// K elements per block (even, so pairs never straddle blocks): a panel's
+// slice is kKBlock·64 bytes = 16 KiB, half of Zen 4's L1D.
+constexpr int64_t kKBlock = 256;
+// Row stride of the copied x slice, in elements: 576 bytes = 9 cache lines,
+// so the 12 rows of a tile start in 12 different L1 sets.
+constexpr int64_t kXStride = kKBlock + 32;
+
+// Micro<R, P> on a copied x slice (row stride kXStride, and an even length:
+// an odd kc has a zero after its last element, matching the panel's zero
+// padding, so the last pair is (x[k-1], 0) as in Micro). Same sums in the same
+// order as Micro. kPrefetch: also pull the 128·pairs bytes at `prefetch` (the
+// next panel slice) into L2, two lines per pair.
+template <int R, int P, bool kPrefetch = false>
+VLM_TARGET inline void MicroPacked(const uint16_t* x, int64_t k, const uint16_t* panel,
+                                   int64_t panel_stride, float* out, bool accumulate,
+                                   const uint16_t* prefetch = nullptr) {
+  __m512 acc[P][2][R];
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if (accumulate) {
+        acc[q][0][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols);
+        acc[q][1][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16);
+      } else {
+        acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
+      }
+    }
+  const int64_t pairs = (k + 1) / 2;
+  const uint16_t* b = panel;
+  for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
+    if constexpr (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols + kPanelCols),
+                   _MM_HINT_T1);
+    }
+    __m512bh bv[P][2];
+#pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) {
+      bv[q][0] = (__m512bh)_mm512_load_si512(b + q * panel_stride);
+      bv[q][1] = (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)BroadcastPair(x + r * kXStride + 2 * p);
+#pragma GCC unroll 8
+      for (int q = 0; q < P; ++q) {
+        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a, bv[q][0]);
+        acc[q][1][r] = _mm512_dpbf16_ps(acc[q][1][r], a, bv[q][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols, acc[q][0][r]);
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16, acc[q][1][r]);
+    }
+  }
+}
 
 // Panels computed together for a tile of `rows` rows.
 constexpr int PanelsFor(int rows) { return rows == 1 ? 6 : rows == 2 ? 3 : rows <= 5 ? 2 : 1; }
@@ -244,46 +304,89 @@ VLM_TARGET void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_
                                 int64_t j1) {
   const int64_t stride = p.w.kpairs * 2 * kPanelCols;
   const int64_t k = p.w.k;
-  // Up to 2560 (the 2B's K = 1024, 2048): one K block, sums stay in registers
-  // (measured: blocking K = 2048 lost ~15% on one thread; K = 4096 gained ~10%).
-  if (k <= 2560) {
-    alignas(64) float acc[kMaxPanels * kMicroRows * kPanelCols];
-    for (int64_t m = m0; m < m1; m += kMicroRows) {
-      const int rows = static_cast<int>(m1 - m < kMicroRows ? m1 - m : kMicroRows);
-      const int group = PanelsFor(rows);
-      const uint16_t* x = p.x + m * p.ld_x;
-      for (int64_t j = j0; j < j1; j += group) {
-        const int panels = static_cast<int>(j1 - j < group ? j1 - j : group);
-        MicroDispatch(x, p.ld_x, rows, k, p.w.panel(j), stride, panels, acc);
-        for (int q = 0; q < panels; ++q) {
-          StoreTile(p.epilogue, m, rows, j + q, acc + q * kMicroRows * kPanelCols);
+  const int64_t panels = j1 - j0;
+  const int64_t full_tiles = (m1 - m0) / kMicroRows;
+  const int tail_rows = static_cast<int>((m1 - m0) % kMicroRows);
+  constexpr int64_t kTile = kMicroRows * kPanelCols;  // floats per [12][32] tile
+
+  // Per thread: x rows copied at a row stride that puts the rows of a tile in
+  // different L1 sets (rows of the 2B's K = 2048 or 4096 are 4 or 8 KiB
+  // apart, so read in place all 12 fall in one 8-way set and evict each other
+  // on every pair); and the f32 sums of every (full tile, panel) between K
+  // blocks (tile t, panel j at (t·panels + j)·kTile).
+  thread_local std::vector<uint16_t> x_buf;
+  thread_local std::vector<float> sums_buf;
+  // Short-chunk rows: one cache line longer than K rounded up, so row r
+  // starts r sets further on.
+  const int64_t ld_tail = (k + 31) / 32 * 32 + 32;
+  x_buf.resize(static_cast<size_t>(
+      std::max((m1 - m0) * kXStride, tail_rows * ld_tail) + 32));
+  uint16_t* xs = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(x_buf.data()) + 63) & ~uintptr_t{63});
+
+  // With full tiles: K in blocks of kKBlock. Per block all rows' x slices are
+  // copied once, then each panel slice (kKBlock·64 bytes) is read from L1 by
+  // every tile after the first, and the first tile prefetches the next slice;
+  // the partial tile follows while the block's slices are still in L2.
+  if (full_tiles > 0) {
+    const int64_t tiles = full_tiles + (tail_rows > 0 ? 1 : 0);
+    sums_buf.resize(static_cast<size_t>((tiles * panels + kMaxPanels) * kTile + 16));
+    float* sums = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
+    const int group = tail_rows > 0 ? PanelsFor(tail_rows) : 1;
+    for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
+      const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
+      const bool accumulate = k0 > 0;
+      for (int64_t r = 0; r < m1 - m0; ++r) {
+        uint16_t* dst = xs + r * kXStride;
+        std::memcpy(dst, p.x + (m0 + r) * p.ld_x + k0, kc * sizeof(uint16_t));
+        if (kc & 1) dst[kc] = 0;  // the last pair is (x[k-1], 0)
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint16_t* w = p.w.panel(j) + k0 * kPanelCols;
+        const uint16_t* next =
+            j + 1 < j1 ? w + stride : p.w.panel(j0) + (k0 + kKBlock) * kPanelCols;
+        const bool prefetch = j + 1 < j1 || k0 + kKBlock < k;  // (prefetches never fault)
+        for (int64_t t = 0; t < full_tiles; ++t) {
+          float* out = sums + (t * panels + (j - j0)) * kTile;
+          if (t == 0 && prefetch) {
+            MicroPacked<kMicroRows, 1, true>(xs, kc, w, stride, out, accumulate, next);
+          } else {
+            MicroPacked<kMicroRows, 1>(xs + t * kMicroRows * kXStride, kc, w, stride, out,
+                                       accumulate);
+          }
+        }
+      }
+      if (tail_rows > 0) {
+        for (int64_t j = j0; j < j1; j += group) {
+          const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
+          // MicroDispatch writes n tiles kTile apart: one tile's consecutive panels.
+          MicroDispatch(xs + full_tiles * kMicroRows * kXStride, kXStride, tail_rows, kc,
+                        p.w.panel(j) + k0 * kPanelCols, stride, n,
+                        sums + (full_tiles * panels + (j - j0)) * kTile, accumulate);
         }
       }
     }
-  } else {
-    // K in blocks of kKBlock: a row tile's slice of x (12 x 1024 bf16 = 24 KiB)
-    // stays in L1 while every panel of the range passes; f32 partial sums
-    // wait in `sums` between blocks.
-    thread_local std::vector<float> sums_buf;
-    const int64_t panels_total = j1 - j0;
-    sums_buf.resize(static_cast<size_t>((panels_total + kMaxPanels) * kMicroRows * kPanelCols + 16));
-    float* sums = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
-    for (int64_t m = m0; m < m1; m += kMicroRows) {
-      const int rows = static_cast<int>(m1 - m < kMicroRows ? m1 - m : kMicroRows);
-      const int group = PanelsFor(rows);
-      const uint16_t* x = p.x + m * p.ld_x;
-      for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
-        const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
-        for (int64_t j = j0; j < j1; j += group) {
-          const int panels = static_cast<int>(j1 - j < group ? j1 - j : group);
-          MicroDispatch(x + k0, p.ld_x, rows, kc, p.w.panel(j) + k0 * kPanelCols, stride, panels,
-                        sums + (j - j0) * kMicroRows * kPanelCols, k0 > 0);
-        }
-      }
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = t < full_tiles ? kMicroRows : tail_rows;
       for (int64_t j = j0; j < j1; ++j) {
-        StoreTile(p.epilogue, m, rows, j, sums + (j - j0) * kMicroRows * kPanelCols);
+        StoreTile(p.epilogue, m0 + t * kMicroRows, rows, j, sums + (t * panels + (j - j0)) * kTile);
       }
+    }
+  } else {
+    // Fewer than 12 rows (a short prefill chunk): PanelsFor(rows) panels at a
+    // time over the whole K, sums in registers. The weights' bandwidth is the
+    // limit here, and walking each panel front to back keeps the hardware
+    // prefetcher on a few long streams (K blocks measured 1.5-3x slower).
+    for (int r = 0; r < tail_rows; ++r) {
+      std::memcpy(xs + r * ld_tail, p.x + (m0 + r) * p.ld_x, k * sizeof(uint16_t));
+    }
+    const int group = PanelsFor(tail_rows);
+    alignas(64) float acc[kMaxPanels * kTile];
+    for (int64_t j = j0; j < j1; j += group) {
+      const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
+      MicroDispatch(xs, ld_tail, tail_rows, k, p.w.panel(j), stride, n, acc);
+      for (int q = 0; q < n; ++q) StoreTile(p.epilogue, m0, tail_rows, j + q, acc + q * kTile);
     }
   }
   // Callers run SSE code next: leave the upper vector state clean.

@@ -93,8 +93,11 @@ TEST_P(GemmPathTest, MatchesMatmulOnRandomShapesWithTails) {
                                    {5, 100, 96},  {11, 47, 129}, {12, 32, 32}, {13, 65, 95},
                                    {31, 96, 257}, {97, 160, 63}, {257, 33, 130},
                                    {1000, 50, 40}, {4096, 40, 33},
-                                   // K split into blocks (> 1280), odd and even
-                                   {5, 40, 2049},  {29, 100, 3000}};
+                                   // K in several blocks of 256, odd and even, at
+                                   // and past a block edge; N over several
+                                   // 8-panel chunks
+                                   {5, 40, 2049},  {29, 100, 3000}, {14, 300, 256},
+                                   {25, 520, 257}, {50, 600, 4097}};
   for (const Case& c : cases) {
     const at::Tensor x = at::randn({c.m, c.k});
     const at::Tensor w = at::randn({c.n, c.k}) * 0.1;
@@ -175,8 +178,10 @@ TEST_P(GemmPathTest, GateUpGivesSiluTimesUp) {
 
 TEST_P(GemmPathTest, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   if (GetParam() == GemmPath::kTorch) GTEST_SKIP() << "the torch path promises no row invariance";
-  for (int64_t k : {333, 2561}) {  // one K block, and K split into blocks
-  const int64_t m = 301, n = 200;
+  // K: one block, at a block edge, and split into blocks (odd last block);
+  // n = 300: two panel chunks, the second partial, and a partial last panel.
+  for (int64_t k : {200, 512, 333, 2561}) {
+  const int64_t m = 301, n = 300;
   const at::Tensor x = at::randn({m, k}).to(at::kBFloat16), w = at::randn({n, k});
   const PackedWeight pw = Pack(w, at::randn({n}));
   GemmOptions o;
