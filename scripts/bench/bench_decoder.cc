@@ -34,6 +34,9 @@
 #include "common/safetensors.h"
 #include "common/nn.h"
 #include "common/omp_wait_policy.h"
+#include "common/kernels/gemm.h"
+#include "common/kernels/gemv_int8.h"
+#include "common/kernels/quantize.h"
 #include "services/language/decode_attention.h"
 #include "services/language/decoder.h"
 #include "services/language/gemv.h"
@@ -56,6 +59,9 @@ ABSL_FLAG(int, context, 256, "batched forward: tokens in each sequence's KV befo
 ABSL_FLAG(int, forward_steps, 8, "batched forward: decode passes per batch size");
 ABSL_FLAG(int, forward_prefill, 512, "prompt tokens for Prefill vs Forward (0: skip)");
 ABSL_FLAG(int64_t, block_size, 16, "paged KV block size (tokens)");
+ABSL_FLAG(bool, small_m, false,
+          "only the decode-row kernel table: kernels::Gemm vs vlm::Gemv vs GemvInt8 at M = 1..8 "
+          "on one layer's shapes (random weights from the config's sizes)");
 ABSL_FLAG(std::string, tables, "decode,prefill,attention",
           "batched forward tables to print: decode, prefill, attention");
 
@@ -294,6 +300,83 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
   return 0;
 }
 
+// One decoder layer's projections for M rows on each kernel (random weights of
+// the model's shapes, so the timing is the kernels' alone): the numbers that
+// decide whether decode rows can share the prefill GEMM's packed weights.
+int RunSmallM(const vlm::TextConfig& c, double bw) {
+  using namespace vlm;
+  namespace k = vlm::kernels;
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  auto rnd = [](int64_t n, int64_t kk) { return (at::randn({n, kk}) * 0.02).to(at::kBFloat16); };
+  const at::Tensor wq = rnd(q, h), wk = rnd(kv, h), wv = rnd(kv, h), wo = rnd(h, q),
+                   wg = rnd(inter, h), wu = rnd(inter, h), wd = rnd(h, inter);
+  const at::Tensor wqkv = at::cat({wq, wk, wv}, 0);
+  auto pqkv = k::PackedWeight::Pack(wqkv), po = k::PackedWeight::Pack(wo),
+       pgu = k::PackedWeight::PackGateUp(wg, wu), pd = k::PackedWeight::Pack(wd);
+  auto qqkv = k::QuantizeInt8(wqkv), qo = k::QuantizeInt8(wo), qg = k::QuantizeInt8(wg),
+       qu = k::QuantizeInt8(wu), qd = k::QuantizeInt8(wd);
+  if (!pqkv.ok() || !po.ok() || !pgu.ok() || !pd.ok() || !qqkv.ok() || !qo.ok() || !qg.ok() ||
+      !qu.ok() || !qd.ok()) {
+    std::fprintf(stderr, "pack/quantize failed\n");
+    return 1;
+  }
+  const double bf16_bytes = 2.0 * (wqkv.numel() + wo.numel() + 2 * wg.numel() + wd.numel());
+  const double int8_bytes = static_cast<double>(qqkv->bytes() + qo->bytes() + qg->bytes() +
+                                                qu->bytes() + qd->bytes());
+  std::printf("\n### Decode-row kernels, one layer's projections (hidden %ld, q|k|v %ld, "
+              "intermediate %ld; median of 15; %s)\n\n",
+              static_cast<long>(h), static_cast<long>(q + 2 * kv), static_cast<long>(inter),
+              k::GemmPathName(k::DefaultGemmPath()));
+  std::printf("| M | Gemv bf16 ms | Gemm bf16 (packed) ms | Gemm / Gemv | GemvInt8 ms | int8 / Gemv "
+              "| bf16 bound ms | int8 bound ms |\n|---|---|---|---|---|---|---|---|\n");
+  for (int64_t m : {1, 2, 4, 8}) {
+    const at::Tensor x = at::randn({m, h}).to(at::kBFloat16);
+    const at::Tensor xo = at::randn({m, q}).to(at::kBFloat16);
+    const at::Tensor xd = at::randn({m, inter}).to(at::kBFloat16);
+    std::vector<double> tg, tk, ti;
+    for (int rep = 0; rep < 16; ++rep) {
+      const double a = Seconds([&] {
+        at::Tensor yq, yk, yv, yo, yg, yu, yd;
+        at::Tensor* ys[] = {&yq, &yk, &yv};
+        const at::Tensor ws[] = {wq, wk, wv};
+        (void)GemvMulti(x, ws, ys);
+        (void)Gemv(xo, wo, &yo);
+        at::Tensor* ys2[] = {&yg, &yu};
+        const at::Tensor ws2[] = {wg, wu};
+        (void)GemvMulti(x, ws2, ys2);
+        (void)Gemv(xd, wd, &yd);
+      });
+      const double b = Seconds([&] {
+        (void)k::Gemm(x, *pqkv);
+        (void)k::Gemm(xo, *po);
+        k::GemmOptions so;
+        so.activation = k::Activation::kSiluMul;
+        (void)k::Gemm(x, *pgu, so);
+        (void)k::Gemm(xd, *pd);
+      });
+      const double i8 = Seconds([&] {
+        at::Tensor yqkv, yo, yg, yu, yd;
+        (void)k::GemvInt8(x, *qqkv, &yqkv);
+        (void)k::GemvInt8(xo, *qo, &yo);
+        (void)k::GemvInt8(x, *qg, &yg);
+        (void)k::GemvInt8(x, *qu, &yu);
+        (void)k::GemvInt8(xd, *qd, &yd);
+      });
+      if (rep == 0) continue;  // warm-up
+      tg.push_back(a);
+      tk.push_back(b);
+      ti.push_back(i8);
+    }
+    const double g = Median(tg), kk = Median(tk), i8 = Median(ti);
+    std::printf("| %ld | %.3f | %.3f | %.2fx | %.3f | %.2fx | %.3f | %.3f |\n",
+                static_cast<long>(m), g * 1e3, kk * 1e3, kk / g, i8 * 1e3, i8 / g,
+                bf16_bytes / bw * 1e3, int8_bytes / bw * 1e3);
+  }
+  std::printf("\nread bandwidth %.1f GB/s; CPU: %s\n", bw / 1e9, CpuModelName().c_str());
+  return 0;
+}
+
 int Run() {
   using namespace vlm;
   using namespace vlm::language;
@@ -318,6 +401,14 @@ int Run() {
     return 1;
   }
   const double t_projector = Now();
+  if (absl::GetFlag(FLAGS_small_m)) {
+    std::vector<uint8_t> buffer(size_t{1} << 30, 1);
+    std::vector<double> bws;
+    for (int i = 0; i < 4; ++i) {
+      bws.push_back(MeasureReadBandwidth(buffer.data(), buffer.size(), absl::GetFlag(FLAGS_threads)));
+    }
+    return RunSmallM(config->text, *std::max_element(bws.begin(), bws.end()));
+  }
   DecoderOptions o;
   o.compute_dtype = dtype;
   o.use_gemv = absl::GetFlag(FLAGS_gemv);
