@@ -277,7 +277,10 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   d->use_gemv_ = options.use_gemv && dtype == at::kBFloat16;
   d->load_summary_ = absl::StrCat(
       "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
-      ", layers ", d->layers_->in_place() ? "in place (zero copy)" : "converted on materialization",
+      ", layers ",
+      layer_options.form != ProjectionForm::kDense
+          ? "converted on materialization (dense projection pages released)"
+          : d->layers_->in_place() ? "in place (zero copy)" : "converted on materialization",
       ", ", tie_rule, ", ", matmul_note,
       layer_options.form == ProjectionForm::kDense
           ? absl::StrCat(", decode projections ",
