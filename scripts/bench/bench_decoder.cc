@@ -62,6 +62,11 @@ ABSL_FLAG(int64_t, block_size, 16, "paged KV block size (tokens)");
 ABSL_FLAG(bool, small_m, false,
           "only the decode-row kernel table: kernels::Gemm vs vlm::Gemv vs GemvInt8 at M = 1..8 "
           "on one layer's shapes (random weights from the config's sizes)");
+ABSL_FLAG(bool, fidelity, false,
+          "only int8 vs bf16 fidelity: logits cosine and greedy agreement (bf16 top-1 margin > 1) "
+          "over a random prompt and a teacher-forced bf16 greedy continuation");
+ABSL_FLAG(std::string, matmul, "auto", "decoder projections: auto, kernels or torch");
+ABSL_FLAG(std::string, weight_dtype, "bf16", "decoder projection weights: bf16 or int8");
 ABSL_FLAG(std::string, tables, "decode,prefill,attention",
           "batched forward tables to print: decode, prefill, attention");
 
@@ -377,6 +382,74 @@ int RunSmallM(const vlm::TextConfig& c, double bw) {
   return 0;
 }
 
+// int8 projections against bf16 (kernels) on the same checkpoint: per
+// position logits cosine and greedy agreement where the bf16 margin > 1.
+int RunFidelity(std::shared_ptr<const vlm::SafetensorsCheckpoint> checkpoint,
+                const vlm::ModelConfig& config) {
+  using namespace vlm;
+  using namespace vlm::language;
+  DecoderOptions o;
+  o.compute_dtype = ComputeDType::kBFloat16;
+  auto bf16 = Decoder::Load(checkpoint, config, o);
+  o.weight_dtype = WeightDType::kInt8;
+  auto int8 = Decoder::Load(checkpoint, config, o);
+  if (!bf16.ok() || !int8.ok()) {
+    std::fprintf(stderr, "load: %s %s\n", bf16.status().ToString().c_str(),
+                 int8.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("%s\n%s\n", (*bf16)->load_summary().c_str(), (*int8)->load_summary().c_str());
+  const int prompt = absl::GetFlag(FLAGS_prompt_tokens), steps = absl::GetFlag(FLAGS_decode_tokens);
+  std::mt19937 rng(9);
+  std::vector<int32_t> ids(prompt);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
+  const int64_t bs = 16;
+  std::vector<int32_t> table;
+  for (int32_t b = 0; b < (prompt + steps + bs) / bs; ++b) table.push_back(b);
+  auto kv_b = (*bf16)->NewKvStorage(static_cast<int64_t>(table.size()), bs);
+  auto kv_i = (*int8)->NewKvStorage(static_cast<int64_t>(table.size()), bs);
+  if (!kv_b.ok() || !kv_i.ok()) return 1;
+  std::vector<double> cosines;
+  int clear = 0, agree = 0, agree_all = 0;
+  for (int step = 0; step <= steps; ++step) {
+    const int64_t start = step == 0 ? 0 : prompt + step - 1, n = step == 0 ? prompt : 1;
+    SequenceChunk c;
+    c.token_ids = absl::MakeConstSpan(ids).subspan(start, n);
+    c.start = start;
+    c.block_table = table;
+    c.positions = at::arange(start, start + n, at::TensorOptions().dtype(at::kLong))
+                      .unsqueeze(0).expand({3, n}).contiguous();
+    c.decode = step > 0;
+    c.logits = true;
+    auto lb = (*bf16)->Forward(*kv_b, {c});
+    auto li = (*int8)->Forward(*kv_i, {c});
+    if (!lb.ok() || !li.ok()) {
+      std::fprintf(stderr, "forward: %s %s\n", lb.status().ToString().c_str(),
+                   li.status().ToString().c_str());
+      return 1;
+    }
+    const at::Tensor x = (*lb)[0].to(at::kDouble), y = (*li)[0].to(at::kDouble);
+    cosines.push_back((x * y).sum().item<double>() / (x.norm().item<double>() * y.norm().item<double>()));
+    auto top = x.topk(2);
+    const double margin = std::get<0>(top)[0].item<double>() - std::get<0>(top)[1].item<double>();
+    const int64_t want = std::get<1>(top)[0].item<int64_t>();
+    const bool same = y.argmax().item<int64_t>() == want;
+    agree_all += same;
+    if (margin > 1) {
+      ++clear;
+      agree += same;
+    }
+    ids.push_back(static_cast<int32_t>(want));
+  }
+  const double mean = std::accumulate(cosines.begin(), cosines.end(), 0.0) / cosines.size();
+  std::printf("\n### int8 vs bf16 logits (%s), %d prompt tokens + %d teacher-forced greedy steps\n\n"
+              "| positions | cosine min | cosine mean | greedy equal (all) | bf16 margin > 1 | greedy "
+              "equal there |\n|---|---|---|---|---|---|\n| %zu | %.6f | %.6f | %d | %d | %d |\n",
+              absl::GetFlag(FLAGS_checkpoint).c_str(), prompt, steps, cosines.size(),
+              *std::min_element(cosines.begin(), cosines.end()), mean, agree_all, clear, agree);
+  return 0;
+}
+
 int Run() {
   using namespace vlm;
   using namespace vlm::language;
@@ -409,9 +482,21 @@ int Run() {
     }
     return RunSmallM(config->text, *std::max_element(bws.begin(), bws.end()));
   }
+  if (absl::GetFlag(FLAGS_fidelity)) return RunFidelity(checkpoint, *config);
   DecoderOptions o;
   o.compute_dtype = dtype;
   o.use_gemv = absl::GetFlag(FLAGS_gemv);
+  {
+    auto matmul = ParseMatmulPath(absl::GetFlag(FLAGS_matmul));
+    auto weights = ParseWeightDType(absl::GetFlag(FLAGS_weight_dtype));
+    if (!matmul.ok() || !weights.ok()) {
+      std::fprintf(stderr, "%s %s\n", matmul.status().ToString().c_str(),
+                   weights.status().ToString().c_str());
+      return 2;
+    }
+    o.matmul = *matmul;
+    o.weight_dtype = *weights;
+  }
   o.prefill_chunk_tokens = absl::GetFlag(FLAGS_chunk);
   o.layers.eager_load = absl::GetFlag(FLAGS_eager);
   o.layers.resident_layers = absl::GetFlag(FLAGS_resident_layers);
