@@ -77,8 +77,8 @@ struct DecoderOptions {
   int64_t prefill_chunk_tokens = 512;
   // Queries per attention tile inside a prefill pass.
   int64_t attention_query_tile = 512;
-  // Decode-step (one token) projections and the LM head through vlm::Gemv
-  // (bf16 compute only); false: at::linear.
+  // The LM head and, with dense projections (matmul torch), decode-row
+  // projections through vlm::Gemv (bf16 compute only); false: at::linear.
   bool use_gemv = true;
   // Read embed_tokens' pages at Load (eager_load also does); otherwise they
   // are only madvise(WILLNEED)-ed and fault in at the first request.

@@ -10,7 +10,10 @@
 // `resident_layers` N > 0 at most N layers stay resident: the least recently
 // used unpinned layer is dropped (MADV_DONTNEED of its pages, or its converted
 // copies freed). Values never change with residency, only where they are read
-// from, so outputs are identical with and without a bound.
+// from, so outputs are identical with and without a bound. With
+// options.form packed or int8 the projections are converted after the page-in
+// and their dense pages released, so a dropped layer is converted again on its
+// next use.
 //
 // Metrics: vlm_language_layers_resident, vlm_language_weight_bytes_resident
 // {part="layers"} (and "embedding"/"projector" set by their owners),

@@ -417,6 +417,37 @@ TEST(DecoderKernelsTest, Int8LayerHoldsInt8BytesOnly) {
   EXPECT_LT(d->layers().total_bytes() * 10, dense->layers().total_bytes() * 7);
 }
 
+TEST(DecoderKernelsTest, ResidencyBoundGivesIdenticalLogitsWithPackedAndInt8Layers) {
+  // Dropped packed/int8 layers are converted again from the checkpoint on
+  // their next use; the values must not change.
+  std::string why;
+  if (!HaveKernels(&why) || !HaveInt8(&why)) GTEST_SKIP() << why;
+  auto ckpt = SafetensorsCheckpoint::Open(TinyDir());
+  auto config = LoadModelConfig(TinyDir());
+  ASSERT_TRUE(ckpt.ok() && config.ok());
+  std::shared_ptr<const SafetensorsCheckpoint> shared(*std::move(ckpt));
+  for (WeightDType weights : {WeightDType::kBFloat16, WeightDType::kInt8}) {
+    std::vector<at::Tensor> results;
+    for (int bound : {0, 1}) {
+      DecoderOptions o;
+      o.matmul = MatmulPath::kKernels;
+      o.weight_dtype = weights;
+      o.layers.resident_layers = bound;
+      o.layers.prefetch_layers = 0;
+      auto d = Decoder::Load(shared, *config, o);
+      ASSERT_TRUE(d.ok()) << d.status();
+      std::mt19937 rng(13);
+      Script s = MakeScript(rng, **d, 10, 3, {4, 6}, 0, 4);
+      auto kv = (*d)->NewKvStorage(4, 4);
+      ASSERT_TRUE(kv.ok());
+      RunTogether(**d, *kv, {&s});
+      results.push_back(at::stack(s.logits));
+      if (bound > 0) EXPECT_GT((*d)->layers().evictions(), 0);
+    }
+    EXPECT_TRUE(at::equal(results[0], results[1])) << WeightDTypeName(weights);
+  }
+}
+
 TEST(DecoderKernelsTest, RejectsInt8AndKernelsWithF32Compute) {
   absl::Status s;
   EXPECT_EQ(LoadTiny(ComputeDType::kFloat32, MatmulPath::kAuto, WeightDType::kInt8, &s), nullptr);
