@@ -361,10 +361,11 @@ TEST(DecoderKernelsTest, Int8LogitsCloseToBf16AndGreedyEqualWhereMarginIsClear) 
                        (x.norm().item<double>() * y.norm().item<double>());
     min_cos = std::min(min_cos, cos);
     sum_cos += cos;
-    // Per position 0.998: the tiny checkpoint's random weights (hidden 64,
-    // two 32-blocks per activation row) measure 0.9984..0.9997 at the decode
-    // positions; the 0.999 bound holds for the mean (and per position on the
-    // 2B shapes: vlm-bench-decoder --fidelity).
+    // Per position 0.998, mean 0.999: the tiny checkpoint's random weights
+    // (hidden 64, two 32-blocks per activation row) measure 0.9984..0.9997
+    // at the decode positions, so a per-position 0.999 fails here; the
+    // synthetic 2B checkpoint measures min 0.9987 / mean 0.9988
+    // (vlm-bench-decoder --fidelity), also short of 0.999.
     EXPECT_GE(cos, 0.998) << "position " << start + n - 1;
     auto top = x.topk(2);
     const at::Tensor& values = std::get<0>(top);
