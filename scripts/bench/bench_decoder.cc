@@ -34,6 +34,9 @@
 #include "common/safetensors.h"
 #include "common/nn.h"
 #include "common/omp_wait_policy.h"
+#include "common/kernels/gemm.h"
+#include "common/kernels/gemv_int8.h"
+#include "common/kernels/quantize.h"
 #include "services/language/decode_attention.h"
 #include "services/language/decoder.h"
 #include "services/language/gemv.h"
@@ -56,6 +59,14 @@ ABSL_FLAG(int, context, 256, "batched forward: tokens in each sequence's KV befo
 ABSL_FLAG(int, forward_steps, 8, "batched forward: decode passes per batch size");
 ABSL_FLAG(int, forward_prefill, 512, "prompt tokens for Prefill vs Forward (0: skip)");
 ABSL_FLAG(int64_t, block_size, 16, "paged KV block size (tokens)");
+ABSL_FLAG(bool, small_m, false,
+          "only the decode-row kernel table: kernels::Gemm vs vlm::Gemv vs GemvInt8 at M = 1..8 "
+          "on one layer's shapes (random weights from the config's sizes)");
+ABSL_FLAG(bool, fidelity, false,
+          "only int8 vs bf16 fidelity: logits cosine and greedy agreement (bf16 top-1 margin > 1) "
+          "over a random prompt and a teacher-forced bf16 greedy continuation");
+ABSL_FLAG(std::string, matmul, "auto", "decoder projections: auto, kernels or torch");
+ABSL_FLAG(std::string, weight_dtype, "bf16", "decoder projection weights: bf16 or int8");
 ABSL_FLAG(std::string, tables, "decode,prefill,attention",
           "batched forward tables to print: decode, prefill, attention");
 
@@ -294,6 +305,151 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
   return 0;
 }
 
+// One decoder layer's projections for M rows on each kernel (random weights of
+// the model's shapes, so the timing is the kernels' alone): the numbers that
+// decide whether decode rows can share the prefill GEMM's packed weights.
+int RunSmallM(const vlm::TextConfig& c, double bw) {
+  using namespace vlm;
+  namespace k = vlm::kernels;
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  auto rnd = [](int64_t n, int64_t kk) { return (at::randn({n, kk}) * 0.02).to(at::kBFloat16); };
+  const at::Tensor wq = rnd(q, h), wk = rnd(kv, h), wv = rnd(kv, h), wo = rnd(h, q),
+                   wg = rnd(inter, h), wu = rnd(inter, h), wd = rnd(h, inter);
+  const at::Tensor wqkv = at::cat({wq, wk, wv}, 0);
+  auto pqkv = k::PackedWeight::Pack(wqkv), po = k::PackedWeight::Pack(wo),
+       pgu = k::PackedWeight::PackGateUp(wg, wu), pd = k::PackedWeight::Pack(wd);
+  auto qqkv = k::QuantizeInt8(wqkv), qo = k::QuantizeInt8(wo), qg = k::QuantizeInt8(wg),
+       qu = k::QuantizeInt8(wu), qd = k::QuantizeInt8(wd);
+  if (!pqkv.ok() || !po.ok() || !pgu.ok() || !pd.ok() || !qqkv.ok() || !qo.ok() || !qg.ok() ||
+      !qu.ok() || !qd.ok()) {
+    std::fprintf(stderr, "pack/quantize failed\n");
+    return 1;
+  }
+  const double bf16_bytes = 2.0 * (wqkv.numel() + wo.numel() + 2 * wg.numel() + wd.numel());
+  const double int8_bytes = static_cast<double>(qqkv->bytes() + qo->bytes() + qg->bytes() +
+                                                qu->bytes() + qd->bytes());
+  std::printf("\n### Decode-row kernels, one layer's projections (hidden %ld, q|k|v %ld, "
+              "intermediate %ld; median of 15; %s)\n\n",
+              static_cast<long>(h), static_cast<long>(q + 2 * kv), static_cast<long>(inter),
+              k::GemmPathName(k::DefaultGemmPath()));
+  std::printf("| M | Gemv bf16 ms | Gemm bf16 (packed) ms | Gemm / Gemv | GemvInt8 ms | int8 / Gemv "
+              "| bf16 bound ms | int8 bound ms |\n|---|---|---|---|---|---|---|---|\n");
+  for (int64_t m : {1, 2, 4, 8}) {
+    const at::Tensor x = at::randn({m, h}).to(at::kBFloat16);
+    const at::Tensor xo = at::randn({m, q}).to(at::kBFloat16);
+    const at::Tensor xd = at::randn({m, inter}).to(at::kBFloat16);
+    std::vector<double> tg, tk, ti;
+    for (int rep = 0; rep < 16; ++rep) {
+      const double a = Seconds([&] {
+        at::Tensor yq, yk, yv, yo, yg, yu, yd;
+        at::Tensor* ys[] = {&yq, &yk, &yv};
+        const at::Tensor ws[] = {wq, wk, wv};
+        (void)GemvMulti(x, ws, ys);
+        (void)Gemv(xo, wo, &yo);
+        at::Tensor* ys2[] = {&yg, &yu};
+        const at::Tensor ws2[] = {wg, wu};
+        (void)GemvMulti(x, ws2, ys2);
+        (void)Gemv(xd, wd, &yd);
+      });
+      const double b = Seconds([&] {
+        (void)k::Gemm(x, *pqkv);
+        (void)k::Gemm(xo, *po);
+        k::GemmOptions so;
+        so.activation = k::Activation::kSiluMul;
+        (void)k::Gemm(x, *pgu, so);
+        (void)k::Gemm(xd, *pd);
+      });
+      const double i8 = Seconds([&] {
+        at::Tensor yqkv, yo, yg, yu, yd;
+        (void)k::GemvInt8(x, *qqkv, &yqkv);
+        (void)k::GemvInt8(xo, *qo, &yo);
+        (void)k::GemvInt8(x, *qg, &yg);
+        (void)k::GemvInt8(x, *qu, &yu);
+        (void)k::GemvInt8(xd, *qd, &yd);
+      });
+      if (rep == 0) continue;  // warm-up
+      tg.push_back(a);
+      tk.push_back(b);
+      ti.push_back(i8);
+    }
+    const double g = Median(tg), kk = Median(tk), i8 = Median(ti);
+    std::printf("| %ld | %.3f | %.3f | %.2fx | %.3f | %.2fx | %.3f | %.3f |\n",
+                static_cast<long>(m), g * 1e3, kk * 1e3, kk / g, i8 * 1e3, i8 / g,
+                bf16_bytes / bw * 1e3, int8_bytes / bw * 1e3);
+  }
+  std::printf("\nread bandwidth %.1f GB/s; CPU: %s\n", bw / 1e9, CpuModelName().c_str());
+  return 0;
+}
+
+// int8 projections against bf16 (kernels) on the same checkpoint: per
+// position logits cosine and greedy agreement where the bf16 margin > 1.
+int RunFidelity(std::shared_ptr<const vlm::SafetensorsCheckpoint> checkpoint,
+                const vlm::ModelConfig& config) {
+  using namespace vlm;
+  using namespace vlm::language;
+  DecoderOptions o;
+  o.compute_dtype = ComputeDType::kBFloat16;
+  auto bf16 = Decoder::Load(checkpoint, config, o);
+  o.weight_dtype = WeightDType::kInt8;
+  auto int8 = Decoder::Load(checkpoint, config, o);
+  if (!bf16.ok() || !int8.ok()) {
+    std::fprintf(stderr, "load: %s %s\n", bf16.status().ToString().c_str(),
+                 int8.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("%s\n%s\n", (*bf16)->load_summary().c_str(), (*int8)->load_summary().c_str());
+  const int prompt = absl::GetFlag(FLAGS_prompt_tokens), steps = absl::GetFlag(FLAGS_decode_tokens);
+  std::mt19937 rng(9);
+  std::vector<int32_t> ids(prompt);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
+  const int64_t bs = 16;
+  std::vector<int32_t> table;
+  for (int32_t b = 0; b < (prompt + steps + bs) / bs; ++b) table.push_back(b);
+  auto kv_b = (*bf16)->NewKvStorage(static_cast<int64_t>(table.size()), bs);
+  auto kv_i = (*int8)->NewKvStorage(static_cast<int64_t>(table.size()), bs);
+  if (!kv_b.ok() || !kv_i.ok()) return 1;
+  std::vector<double> cosines;
+  int clear = 0, agree = 0, agree_all = 0;
+  for (int step = 0; step <= steps; ++step) {
+    const int64_t start = step == 0 ? 0 : prompt + step - 1, n = step == 0 ? prompt : 1;
+    SequenceChunk c;
+    c.token_ids = absl::MakeConstSpan(ids).subspan(start, n);
+    c.start = start;
+    c.block_table = table;
+    c.positions = at::arange(start, start + n, at::TensorOptions().dtype(at::kLong))
+                      .unsqueeze(0).expand({3, n}).contiguous();
+    c.decode = step > 0;
+    c.logits = true;
+    auto lb = (*bf16)->Forward(*kv_b, {c});
+    auto li = (*int8)->Forward(*kv_i, {c});
+    if (!lb.ok() || !li.ok()) {
+      std::fprintf(stderr, "forward: %s %s\n", lb.status().ToString().c_str(),
+                   li.status().ToString().c_str());
+      return 1;
+    }
+    const at::Tensor x = (*lb)[0].to(at::kDouble), y = (*li)[0].to(at::kDouble);
+    cosines.push_back((x * y).sum().item<double>() / (x.norm().item<double>() * y.norm().item<double>()));
+    auto top = x.topk(2);
+    const double margin = std::get<0>(top)[0].item<double>() - std::get<0>(top)[1].item<double>();
+    const int64_t want = std::get<1>(top)[0].item<int64_t>();
+    const bool same = y.argmax().item<int64_t>() == want;
+    agree_all += same;
+    if (margin > 1) {
+      ++clear;
+      agree += same;
+    }
+    ids.push_back(static_cast<int32_t>(want));
+  }
+  const double mean = std::accumulate(cosines.begin(), cosines.end(), 0.0) / cosines.size();
+  std::printf("\n### int8 vs bf16 logits (%s), %d prompt tokens + %d teacher-forced greedy steps\n\n"
+              "| positions | cosine min | cosine mean | greedy equal (all) | bf16 margin > 1 | greedy "
+              "equal there |\n|---|---|---|---|---|---|\n| %zu | %.6f | %.6f | %d | %d | %d |\n",
+              absl::GetFlag(FLAGS_checkpoint).c_str(), prompt, steps, cosines.size(),
+              *std::min_element(cosines.begin(), cosines.end()), mean, agree_all, clear, agree);
+  return 0;
+}
+
 int Run() {
   using namespace vlm;
   using namespace vlm::language;
@@ -318,9 +474,29 @@ int Run() {
     return 1;
   }
   const double t_projector = Now();
+  if (absl::GetFlag(FLAGS_small_m)) {
+    std::vector<uint8_t> buffer(size_t{1} << 30, 1);
+    std::vector<double> bws;
+    for (int i = 0; i < 4; ++i) {
+      bws.push_back(MeasureReadBandwidth(buffer.data(), buffer.size(), absl::GetFlag(FLAGS_threads)));
+    }
+    return RunSmallM(config->text, *std::max_element(bws.begin(), bws.end()));
+  }
+  if (absl::GetFlag(FLAGS_fidelity)) return RunFidelity(checkpoint, *config);
   DecoderOptions o;
   o.compute_dtype = dtype;
   o.use_gemv = absl::GetFlag(FLAGS_gemv);
+  {
+    auto matmul = ParseMatmulPath(absl::GetFlag(FLAGS_matmul));
+    auto weights = ParseWeightDType(absl::GetFlag(FLAGS_weight_dtype));
+    if (!matmul.ok() || !weights.ok()) {
+      std::fprintf(stderr, "%s %s\n", matmul.status().ToString().c_str(),
+                   weights.status().ToString().c_str());
+      return 2;
+    }
+    o.matmul = *matmul;
+    o.weight_dtype = *weights;
+  }
   o.prefill_chunk_tokens = absl::GetFlag(FLAGS_chunk);
   o.layers.eager_load = absl::GetFlag(FLAGS_eager);
   o.layers.resident_layers = absl::GetFlag(FLAGS_resident_layers);

@@ -13,6 +13,15 @@
 //   vlm-bench-language [--model_dir DIR]
 //       [--configs ",--resident_layers=8"] [--threads 2] [--runs 3]
 //
+// Old path vs new in one run (the decoder's kernels, issue 11):
+//   vlm-bench-language --configs "--matmul=torch;--matmul=kernels;--weight_dtype=int8"
+// Each configuration's bound uses the bytes its decode step reads (int8 rows
+// + f32 scales for --weight_dtype=int8). --cliff "200:260:4" adds prefill time
+// per token for every 4th prompt length in 200..260 and the largest ratio
+// between neighbouring lengths (a length cliff shows up as a ratio >> 1).
+// The prefix cache is off in every configuration (repeated prompts must
+// prefill in full).
+//
 // --model_dir defaults to the 2B-shaped checkpoint scripts/make_checkpoint.sh 2b
 // writes: $VLM_CACHE_DIR/checkpoints/2b, else ~/.cache/vlm/checkpoints/2b.
 // Each entry of --configs (separated by ';') is extra vlm-language flags
@@ -40,6 +49,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -63,6 +73,8 @@ ABSL_FLAG(int, starts, 3, "process starts per configuration for start->SERVING a
 ABSL_FLAG(int, prefill_tokens, 512, "prompt length of the prefill measurement");
 ABSL_FLAG(int, decode_tokens, 64, "generated tokens of the decode measurement");
 ABSL_FLAG(int64_t, bandwidth_mib, 1024, "buffer of the read-bandwidth measurement");
+ABSL_FLAG(std::string, cliff, "",
+          "first:last:step prompt lengths for the prefill time-per-token scan (empty: off)");
 
 extern char** environ;
 
@@ -267,8 +279,10 @@ GenerateRequest PromptOfTokens(vlm::v1::Language::Stub& stub, int tokens, int ma
   return request;
 }
 
-// Bytes one decode step reads: decoder layers + final norm + LM head.
-uint64_t DecodeWeightBytes(const std::string& dir) {
+// Bytes one decode step reads: decoder layers + final norm + LM head; with
+// `int8`, the seven projections of every layer as the int8 kernels store them
+// (rows padded to 64 bytes + one f32 scale per output channel, quantize.h).
+uint64_t DecodeWeightBytes(const std::string& dir, bool int8 = false) {
   auto checkpoint = vlm::SafetensorsCheckpoint::Open(dir);
   if (!checkpoint.ok()) return 0;
   uint64_t bytes = 0, embed = 0, head = 0;
@@ -281,7 +295,12 @@ uint64_t DecodeWeightBytes(const std::string& dir) {
       embed = (*info)->nbytes();
     } else if (absl::StrContains(name, "language_model.") || name.rfind("model.layers.", 0) == 0 ||
                name == "model.norm.weight") {
-      bytes += (*info)->nbytes();
+      const std::vector<int64_t>& shape = (*info)->shape;
+      if (int8 && absl::StrContains(name, "_proj.weight") && shape.size() == 2) {
+        bytes += static_cast<uint64_t>(shape[0]) * ((shape[1] + 63) / 64 * 64) + shape[0] * 4;
+      } else {
+        bytes += (*info)->nbytes();
+      }
     }
   }
   return bytes + (head > 0 ? head : embed);
@@ -301,6 +320,7 @@ double ReadBandwidth(int threads) {
 
 struct Column {
   std::string name;
+  uint64_t bytes = 0;    // weight bytes one decode step reads
   double decode_ms = 0;  // per token
   std::vector<std::pair<std::string, std::string>> rows;
   void Add(const std::string& what, const std::string& value) { rows.emplace_back(what, value); }
@@ -318,7 +338,8 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
       "--metrics_address=",
       absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)),
       "--max_context=4096",
-      "--log_level=warning"};
+      "--log_level=warning",
+      "--prefix_cache=false"};
   for (absl::string_view f : absl::StrSplit(extra, ',', absl::SkipEmpty())) {
     flags.emplace_back(f);
   }
@@ -384,6 +405,45 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
   col.Add("decode tokens/s", absl::StrFormat("%.2f", col.decode_ms > 0 ? 1000 / col.decode_ms : 0));
   col.Add("decode ms/token", absl::StrFormat("%.1f", col.decode_ms));
   col.Add("RSS after the runs (MiB)", absl::StrFormat("%.0f", RssMib(server->pid())));
+
+  // Prefill time per token over a range of prompt lengths (length cliffs).
+  std::vector<int> lengths;
+  {
+    std::vector<std::string> parts = absl::StrSplit(absl::GetFlag(FLAGS_cliff), ':');
+    int first = 0, last = 0, step = 1;
+    if (parts.size() == 3 && absl::SimpleAtoi(parts[0], &first) &&
+        absl::SimpleAtoi(parts[1], &last) && absl::SimpleAtoi(parts[2], &step) && step > 0) {
+      for (int n = first; n <= last; n += step) lengths.push_back(n);
+    }
+  }
+  if (!lengths.empty()) {
+    std::vector<double> per_token;  // ms, median of `runs` at each length
+    std::string series;
+    for (int n : lengths) {
+      GenerateRequest r = PromptOfTokens(*stub, n, 1);
+      std::vector<double> ms;
+      for (int i = 0; i < runs; ++i) {
+        Outcome o = Run(*stub, r);
+        if (!o.ok) break;
+        ms.push_back(o.last.timings().prefill_ms() / o.last.usage().prompt_tokens());
+      }
+      per_token.push_back(Median(ms));
+      absl::StrAppend(&series, series.empty() ? "" : " ", absl::StrFormat("%.3f", per_token.back()));
+    }
+    double worst = 1;
+    int at = lengths[0];
+    for (size_t i = 1; i < per_token.size(); ++i) {
+      const double a = per_token[i - 1], b = per_token[i];
+      if (a <= 0 || b <= 0) continue;
+      const double ratio = std::max(a / b, b / a);
+      if (ratio > worst) {
+        worst = ratio;
+        at = lengths[i];
+      }
+    }
+    col.Add(absl::StrCat("prefill ms/token at ", absl::GetFlag(FLAGS_cliff)), series);
+    col.Add("  max neighbour ratio (at length)", absl::StrFormat("%.2f (%d)", worst, at));
+  }
   *bandwidth = std::max(*bandwidth, ReadBandwidth(absl::GetFlag(FLAGS_threads)));
   return col;
 }
@@ -419,13 +479,23 @@ int main(int argc, char** argv) {
   std::vector<Column> columns;
   for (absl::string_view extra : absl::StrSplit(absl::GetFlag(FLAGS_configs), ';')) {
     columns.push_back(Measure(binary, dir, std::string(extra), *config, &bandwidth));
+    columns.back().bytes = DecodeWeightBytes(dir, absl::StrContains(extra, "--weight_dtype=int8"));
   }
   // The bound uses the best bandwidth seen in this run (contention only lowers it).
-  const double bound_ms = static_cast<double>(bytes) / bandwidth * 1000;
+  const Column* first_bf16 = nullptr;
+  for (const Column& c : columns) {
+    if (c.bytes == bytes && c.decode_ms > 0 && first_bf16 == nullptr) first_bf16 = &c;
+  }
   for (Column& c : columns) {
     if (c.decode_ms <= 0) continue;
+    const double bound_ms = static_cast<double>(c.bytes) / bandwidth * 1000;
+    c.Add("decode weight bytes (MiB)", absl::StrFormat("%.1f", c.bytes / 1048576.0));
     c.Add("bandwidth bound ms/token", absl::StrFormat("%.1f", bound_ms));
     c.Add("decode / bound", absl::StrFormat("%.2fx", c.decode_ms / bound_ms));
+    if (first_bf16 != nullptr) {
+      c.Add(absl::StrCat("decode speed vs ", first_bf16->name),
+            absl::StrFormat("%.2fx", first_bf16->decode_ms / c.decode_ms));
+    }
   }
 
   std::printf("vlm-bench-language: %s, %d threads, medians of %d runs (%d starts)\n", dir.c_str(),

@@ -15,6 +15,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/kernels/gemm.h"
+#include "common/kernels/gemv_int8.h"
 #include "common/nn.h"
 #include "services/language/decode_attention.h"
 #include "services/language/gemv.h"
@@ -34,11 +36,59 @@ absl::Status Internal(const char* where, const c10::Error& e) {
   return absl::InternalError(absl::StrCat(where, ": ", e.what_without_backtrace()));
 }
 
-// Turns a failed Gemv status into an exception so the forward code stays
+// Turns a failed kernel status into an exception so the forward code stays
 // linear; caught at the API boundary like LibTorch's own errors.
-void Check(const absl::Status& s) { TORCH_CHECK(s.ok(), "gemv: ", s.ToString()); }
+void Check(const absl::Status& s) { TORCH_CHECK(s.ok(), "kernel: ", s.ToString()); }
+
+// kernels::GemvInt8 is built for a few rows at a time; its rows are
+// independent, so any grouping gives the same row results.
+constexpr int64_t kInt8Rows = 8;
+
+// y = x·wᵀ over int8 weights, in groups of kInt8Rows rows. x: [R, K] bf16,
+// y: [R, N] (allocated bf16 when undefined).
+at::Tensor Int8Rows(const at::Tensor& x, const kernels::QuantizedWeight& w) {
+  const int64_t r = x.size(0);
+  at::Tensor y = at::empty({r, w.n()}, x.options());
+  for (int64_t i = 0; i < r; i += kInt8Rows) {
+    const int64_t rows = std::min(kInt8Rows, r - i);
+    at::Tensor part = y.narrow(0, i, rows);
+    Check(kernels::GemvInt8(x.narrow(0, i, rows), w, &part));
+  }
+  return y;
+}
 
 }  // namespace
+
+const char* MatmulPathName(MatmulPath path) {
+  switch (path) {
+    case MatmulPath::kAuto:
+      return "auto";
+    case MatmulPath::kKernels:
+      return "kernels";
+    case MatmulPath::kTorch:
+      return "torch";
+  }
+  return "?";
+}
+
+absl::StatusOr<MatmulPath> ParseMatmulPath(std::string_view value) {
+  for (MatmulPath p : {MatmulPath::kAuto, MatmulPath::kKernels, MatmulPath::kTorch}) {
+    if (value == MatmulPathName(p)) return p;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("matmul \"", std::string(value), "\": expected kernels, torch or auto"));
+}
+
+const char* WeightDTypeName(WeightDType dtype) {
+  return dtype == WeightDType::kInt8 ? "int8" : "bf16";
+}
+
+absl::StatusOr<WeightDType> ParseWeightDType(std::string_view value) {
+  if (value == "bf16" || value == "bfloat16") return WeightDType::kBFloat16;
+  if (value == "int8") return WeightDType::kInt8;
+  return absl::InvalidArgumentError(
+      absl::StrCat("weight_dtype \"", std::string(value), "\": expected bf16 or int8"));
+}
 
 // What one pass over a run of tokens needs besides the hidden states.
 struct Decoder::Pass {
@@ -178,16 +228,66 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     return Internal("decoder load", e);
   }
 
+  // Projection form (MatmulPath, WeightDType above).
+  LayerStoreOptions layer_options = options.layers;
+  layer_options.form = ProjectionForm::kDense;
+  std::string matmul_note;
+  if (options.weight_dtype == WeightDType::kInt8) {
+    if (dtype != at::kBFloat16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weight_dtype int8 needs compute dtype bf16 (compute is ",
+          ComputeDTypeName(d->compute_dtype_),
+          warning.empty() ? "" : absl::StrCat(": ", warning),
+          "); float32 is the unquantized fidelity reference"));
+    }
+    std::string missing;
+    if (!kernels::GemvInt8PathSupported(kernels::DefaultGemvInt8Path(), &missing)) {
+      return absl::FailedPreconditionError(absl::StrCat("weight_dtype int8: ", missing));
+    }
+    layer_options.form = ProjectionForm::kInt8;
+    matmul_note = absl::StrCat("int8 projections (gemv_int8/",
+                               kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
+  } else if (options.matmul != MatmulPath::kTorch) {
+    const kernels::GemmPath gemm = kernels::DefaultGemmPath();
+    const bool blocked = gemm != kernels::GemmPath::kTorch;
+    if (options.matmul == MatmulPath::kKernels && dtype != at::kBFloat16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "matmul kernels computes in bf16 but compute is ", ComputeDTypeName(d->compute_dtype_),
+          warning.empty() ? "" : absl::StrCat(" (", warning, ")"),
+          "; float32 runs on at::linear (matmul torch or auto)"));
+    }
+    if (options.matmul == MatmulPath::kKernels && !blocked) {
+      std::string missing;
+      kernels::GemmPathSupported(kernels::GemmPath::kAvx512Bf16, &missing);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "matmul kernels needs the packed GEMM (avx512bf16 or amx); the GEMM path is torch",
+          missing.empty() ? "" : absl::StrCat(": ", missing)));
+    }
+    if (dtype == at::kBFloat16 && blocked) {
+      layer_options.form = ProjectionForm::kPacked;
+      matmul_note = absl::StrCat("packed projections (gemm/", kernels::GemmPathName(gemm), ")");
+    }
+  }
+  if (matmul_note.empty()) matmul_note = "dense projections (at::linear)";
   absl::StatusOr<std::unique_ptr<LayerStore>> store =
-      LayerStore::Create(checkpoint, c, *prefix, dtype, options.layers);
+      LayerStore::Create(checkpoint, c, *prefix, dtype, layer_options);
   if (!store.ok()) return store.status();
   d->layers_ = *std::move(store);
 
   d->use_gemv_ = options.use_gemv && dtype == at::kBFloat16;
   d->load_summary_ = absl::StrCat(
       "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
-      ", layers ", d->layers_->in_place() ? "in place (zero copy)" : "converted on materialization",
-      ", ", tie_rule, ", decode projections ",
+      ", layers ",
+      layer_options.form != ProjectionForm::kDense
+          ? "converted on materialization (dense projection pages released)"
+          : d->layers_->in_place() ? "in place (zero copy)" : "converted on materialization",
+      ", ", tie_rule, ", ", matmul_note,
+      layer_options.form == ProjectionForm::kDense
+          ? absl::StrCat(", decode projections ",
+                         d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath()))
+                                      : "at::linear")
+          : "",
+      ", LM head ",
       d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear",
       options.layers.eager_load ? ", eager" : ", lazy",
       options.layers.resident_layers > 0
@@ -250,7 +350,11 @@ at::Tensor Decoder::RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) con
     // x: [S, hidden]
     at::Tensor h = nn::RmsNorm(x, w.input_layernorm, eps);
     at::Tensor q, k, v;  // [S, heads·D], [S, kv_heads·D] x2
-    if (gemv) {
+    const bool dense = projection_form() == ProjectionForm::kDense;
+    const int64_t np = pass.decode ? 0 : s, nd = pass.decode ? s : 0;
+    if (!dense) {
+      ProjectQkv(np, nd, w, h, &q, &k, &v);
+    } else if (gemv) {
       at::Tensor* ys[] = {&q, &k, &v};
       const at::Tensor ws[] = {w.q_proj, w.k_proj, w.v_proj};
       Check(GemvMulti(h, ws, ys));
@@ -282,6 +386,16 @@ at::Tensor Decoder::RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) con
                                  v_cache.narrow(1, 0, end), ao)  // [heads, S, D]
               .transpose(0, 1)
               .reshape({s, hq * d});
+    }
+    if (!dense) {
+      o = o.contiguous();
+      AddAttentionOut(np, nd, w, o, x);
+      at::Tensor n = nn::RmsNorm(x, w.post_attention_layernorm, eps);
+      AddMlp(np, nd, w, n, x);
+      if (l < static_cast<int>(pass.deepstack.size()) && pass.visual.numel() > 0) {
+        x.index_put_({pass.visual}, x.index({pass.visual}) + pass.deepstack[l]);
+      }
+      continue;
     }
     at::Tensor attn_out;
     if (gemv) {
@@ -664,10 +778,9 @@ absl::Status Decoder::ValidateChunks(const KvStorage& kv,
 }
 
 // ys[i] = h·ws[i]ᵀ for all rows of the pass, by row kind (never mixing them).
-std::vector<at::Tensor> Decoder::Project(const Batch& b, const at::Tensor& h,
+std::vector<at::Tensor> Decoder::Project(int64_t np, int64_t nd, const at::Tensor& h,
                                          std::initializer_list<at::Tensor> weights) const {
   const std::vector<at::Tensor> ws(weights);
-  const int64_t np = b.prefill_rows, nd = b.decode_rows;
   std::vector<at::Tensor> ys;
   if (nd == 0) {
     for (const at::Tensor& w : ws) ys.push_back(RowLinear(h, w));
@@ -692,6 +805,83 @@ std::vector<at::Tensor> Decoder::Project(const Batch& b, const at::Tensor& h,
     for (size_t i = 0; i < ws.size(); ++i) ys[i].narrow(0, np, nd).copy_(RowLinear(hd, ws[i]));
   }
   return ys;
+}
+
+void Decoder::ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w,
+                         const at::Tensor& h, at::Tensor* q, at::Tensor* k, at::Tensor* v) const {
+  const TextConfig& c = config_.text;
+  const int64_t nq = c.num_attention_heads * c.head_dim, nkv = c.num_key_value_heads * c.head_dim;
+  at::Tensor y;  // [R, nq + 2·nkv]
+  switch (projection_form()) {
+    case ProjectionForm::kDense: {
+      std::vector<at::Tensor> ys = Project(np, nd, h, {w.q_proj, w.k_proj, w.v_proj});
+      *q = ys[0].contiguous();
+      *k = ys[1].contiguous();
+      *v = ys[2].contiguous();
+      return;
+    }
+    case ProjectionForm::kPacked: {
+      // Prefill and decode rows in one call: Gemm's rows are invariant.
+      absl::StatusOr<at::Tensor> r = kernels::Gemm(h, w.qkv);
+      Check(r.status());
+      y = *std::move(r);
+      break;
+    }
+    case ProjectionForm::kInt8:
+      y = Int8Rows(h, w.qkv8);
+      break;
+  }
+  *q = y.narrow(1, 0, nq).contiguous();
+  *k = y.narrow(1, nq, nkv).contiguous();
+  *v = y.narrow(1, nq + nkv, nkv).contiguous();
+}
+
+void Decoder::AddAttentionOut(int64_t np, int64_t nd, const DecoderLayerWeights& w,
+                              const at::Tensor& o, at::Tensor& x) const {
+  switch (projection_form()) {
+    case ProjectionForm::kDense:
+      RowAddInPlace(x, Project(np, nd, o, {w.o_proj})[0]);
+      return;
+    case ProjectionForm::kPacked: {
+      // Residual-add epilogue: x = round(x + o·Woᵀ), in place.
+      kernels::GemmOptions go;
+      go.residual = x;
+      Check(kernels::Gemm(o, w.o, &x, go));
+      return;
+    }
+    case ProjectionForm::kInt8:
+      RowAddInPlace(x, Int8Rows(o, w.o8));
+      return;
+  }
+}
+
+void Decoder::AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const at::Tensor& n,
+                     at::Tensor& x) const {
+  switch (projection_form()) {
+    case ProjectionForm::kDense: {
+      std::vector<at::Tensor> gate_up = Project(np, nd, n, {w.gate_proj, w.up_proj});
+      RowAddInPlace(x, Project(np, nd, RowSiluMul(gate_up[0], gate_up[1]), {w.down_proj})[0]);
+      return;
+    }
+    case ProjectionForm::kPacked: {
+      kernels::GemmOptions act;
+      act.activation = kernels::Activation::kSiluMul;
+      absl::StatusOr<at::Tensor> a = kernels::Gemm(n, w.gate_up, act);  // [R, intermediate]
+      Check(a.status());
+      kernels::GemmOptions go;
+      go.residual = x;
+      Check(kernels::Gemm(*a, w.down, &x, go));
+      return;
+    }
+    case ProjectionForm::kInt8: {
+      const int64_t inter = config_.text.intermediate_size;
+      const at::Tensor gu = Int8Rows(n, w.gate_up8);  // [R, 2·intermediate]
+      const at::Tensor a = RowSiluMul(gu.narrow(1, 0, inter).contiguous(),
+                                      gu.narrow(1, inter, inter).contiguous());
+      RowAddInPlace(x, Int8Rows(a, w.down8));
+      return;
+    }
+  }
 }
 
 absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
@@ -767,11 +957,11 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
 
       // --- self-attention ------------------------------------------------
       at::Tensor h = RowRmsNorm(x, w.input_layernorm, eps);
-      std::vector<at::Tensor> qkv = Project(b, h, {w.q_proj, w.k_proj, w.v_proj});
+      at::Tensor qp, kp, v;
+      ProjectQkv(b.prefill_rows, b.decode_rows, w, h, &qp, &kp, &v);
       // q: [R, Hq, D], k, v: [R, Hkv, D]; q/k norm per head, before RoPE.
-      at::Tensor q = RowRmsNorm(qkv[0].view({r * hq, d}), w.q_norm, eps).view({r, hq, d});
-      at::Tensor k = RowRmsNorm(qkv[1].view({r * hkv, d}), w.k_norm, eps).view({r, hkv, d});
-      const at::Tensor v = qkv[2].contiguous();
+      at::Tensor q = RowRmsNorm(qp.view({r * hq, d}), w.q_norm, eps).view({r, hq, d});
+      at::Tensor k = RowRmsNorm(kp.view({r * hkv, d}), w.k_norm, eps).view({r, hkv, d});
       RowRotaryInPlace(q, b.cos, b.sin);
       RowRotaryInPlace(k, b.cos, b.sin);
       // Cache: [blocks, Hkv, block_size, D]; row i goes to its block's slot.
@@ -790,12 +980,11 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
         }
       }
       at::Tensor o = PagedAttention(q, kv.k[l], kv.v[l], b.runs, attention).view({r, hq * d});
-      RowAddInPlace(x, Project(b, o, {w.o_proj})[0]);
+      AddAttentionOut(b.prefill_rows, b.decode_rows, w, o, x);
 
       // --- MLP --------------------------------------------------------------
       at::Tensor n = RowRmsNorm(x, w.post_attention_layernorm, eps);
-      std::vector<at::Tensor> gate_up = Project(b, n, {w.gate_proj, w.up_proj});
-      RowAddInPlace(x, Project(b, RowSiluMul(gate_up[0], gate_up[1]), {w.down_proj})[0]);
+      AddMlp(b.prefill_rows, b.decode_rows, w, n, x);
 
       // --- deepstack (§5.3): after layer l, at the image rows ---------------
       if (l < static_cast<int>(b.deepstack.size()) && b.image_rows.defined()) {

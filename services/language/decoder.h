@@ -23,6 +23,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -38,6 +39,34 @@
 
 namespace vlm::language {
 
+// How the decoder layers' projections are computed in bf16 (f32 compute
+// always uses at::linear: it is the fidelity reference).
+//   kernels  weights packed once at layer materialization (q|k|v as one
+//            weight, gate/up with the SiLU·up epilogue, residual adds fused)
+//            and every row, prefill and decode, through kernels::Gemm
+//            (row-invariant): one weight copy, the dense pages released.
+//            Needs a blocked GEMM path (AVX-512 BF16 or AMX).
+//   torch    dense checkpoint views; prefill rows through a padded at::linear
+//            (RowLinear), decode rows through vlm::Gemv (use_gemv).
+//   auto     kernels when kernels::DefaultGemmPath() is blocked, else torch.
+enum class MatmulPath { kAuto, kKernels, kTorch };
+const char* MatmulPathName(MatmulPath path);  // "auto", "kernels", "torch"
+// "auto", "kernels", "torch"; INVALID_ARGUMENT names the accepted values.
+absl::StatusOr<MatmulPath> ParseMatmulPath(std::string_view value);
+
+// Storage of the decoder layers' seven projections (norms, embeddings and the
+// LM head stay in the compute dtype whatever this says).
+//   bf16  as the compute dtype says (and --matmul decides the form).
+//   int8  symmetric per output channel, quantized at layer materialization
+//         (dense pages released after); every row through kernels::GemvInt8
+//         in groups of 8 rows (row-invariant), whatever MatmulPath says.
+//         Needs the bf16 compute dtype (Load rejects f32: the f32 path is the
+//         fidelity reference and stays unquantized).
+enum class WeightDType { kBFloat16, kInt8 };
+const char* WeightDTypeName(WeightDType dtype);  // "bf16", "int8"
+// "bf16" (or "bfloat16"), "int8"; INVALID_ARGUMENT names the accepted values.
+absl::StatusOr<WeightDType> ParseWeightDType(std::string_view value);
+
 struct DecoderOptions {
   // bfloat16 falls back to float32 (with a warning in load_summary) on CPUs
   // without fast bf16 matmuls.
@@ -48,12 +77,15 @@ struct DecoderOptions {
   int64_t prefill_chunk_tokens = 512;
   // Queries per attention tile inside a prefill pass.
   int64_t attention_query_tile = 512;
-  // Decode-step (one token) projections and the LM head through vlm::Gemv
-  // (bf16 compute only); false: at::linear.
+  // The LM head and, with dense projections (matmul torch), decode-row
+  // projections through vlm::Gemv (bf16 compute only); false: at::linear.
   bool use_gemv = true;
   // Read embed_tokens' pages at Load (eager_load also does); otherwise they
   // are only madvise(WILLNEED)-ed and fault in at the first request.
   bool touch_embedding = false;
+  MatmulPath matmul = MatmulPath::kAuto;
+  WeightDType weight_dtype = WeightDType::kBFloat16;
+  // layers.form is set by Load from matmul and weight_dtype.
   LayerStoreOptions layers;
 };
 
@@ -160,7 +192,13 @@ struct SequenceChunk {
 //   Validation runs before anything is written: a rejected pass leaves the
 //   storage untouched. Also rejected: a block written by two chunks of the
 //   pass, a KV storage of another geometry or dtype.
-// How (decoder.cc, row_ops.h, paged_attention.h): prefill rows of all chunks
+// How (decoder.cc, row_ops.h, paged_attention.h): with packed projections
+// (MatmulPath kernels) every row of the pass, prefill and decode, goes through
+// one kernels::Gemm per weight (row-invariant by construction, no padding), so
+// a token's K/V and logits are the same whether it ran as a decode row or a
+// prefill row; with int8 projections every row goes through
+// kernels::GemvInt8 in groups of 8 (rows independent), likewise. With dense
+// projections (MatmulPath torch, and f32) prefill rows of all chunks
 // share one at::linear per weight (RowLinear: padded so OpenBLAS/oneDNN stay
 // on row-invariant kernels); decode rows go through Gemv in bf16 with
 // use_gemv (else RowLinear too); norms, rotary, SwiGLU and residual adds are
@@ -219,6 +257,8 @@ class Decoder {
   LayerStore& layers() const { return *layers_; }
   bool tied_head() const { return tied_; }
   bool using_gemv() const { return use_gemv_; }
+  // What Load resolved: dense (torch), packed (kernels) or int8 projections.
+  ProjectionForm projection_form() const { return layers_->options().form; }
   // Bytes of the embedding, final norm and (untied) head in the compute dtype.
   uint64_t embedding_bytes() const { return embedding_bytes_; }
   // Weight bytes one decode step reads (all layers + norm + head).
@@ -232,8 +272,20 @@ class Decoder {
   Decoder() = default;
   absl::Status ValidateChunks(const KvStorage& kv, absl::Span<const SequenceChunk> chunks) const;
   // ys[i] = h·ws[i]ᵀ over a Forward pass's rows, prefill and decode rows apart.
-  std::vector<at::Tensor> Project(const Batch& b, const at::Tensor& h,
+  // np prefill rows first, then nd decode rows. Dense weights only.
+  std::vector<at::Tensor> Project(int64_t np, int64_t nd, const at::Tensor& h,
                                   std::initializer_list<at::Tensor> weights) const;
+  // A layer's projections in whatever form it holds (dense, packed, int8),
+  // over np prefill rows then nd decode rows:
+  //   q, k, v = h·Wqᵀ, h·Wkᵀ, h·Wvᵀ (contiguous [R, heads·D], [R, kv_heads·D] x2)
+  void ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w, const at::Tensor& h,
+                  at::Tensor* q, at::Tensor* k, at::Tensor* v) const;
+  //   x += o·Woᵀ, in place (x: [R, hidden], o: [R, heads·D])
+  void AddAttentionOut(int64_t np, int64_t nd, const DecoderLayerWeights& w, const at::Tensor& o,
+                       at::Tensor& x) const;
+  //   x += (silu(n·Wgᵀ)·(n·Wuᵀ))·Wdᵀ, in place
+  void AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const at::Tensor& n,
+              at::Tensor& x) const;
   // Runs S tokens (embedded: x [S, hidden]) through every layer, writing
   // their K/V at cache indices seq.length_ .. + S - 1; returns [S, hidden].
   at::Tensor RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) const;

@@ -68,6 +68,8 @@ struct LanguageServiceOptions {
   int prefetch_layers = 1;
   int64_t prefill_chunk_tokens = 512;
   bool use_gemv = true;
+  MatmulPath matmul = MatmulPath::kAuto;             // decoder.h
+  WeightDType weight_dtype = WeightDType::kBFloat16;  // decoder.h
   int max_sequences = 8;        // sequences per engine batch (running at once)
   int max_queue = 16;           // generations admitted beyond the running ones
   int64_t max_batch_tokens = 512;  // tokens per forward pass (chunked prefill)

@@ -131,7 +131,53 @@ std::shared_ptr<DecoderLayerWeights> FromTensors(std::vector<at::Tensor> t) {
   return w;
 }
 
+// Bytes of one [n, k] projection in `form` (packed panels and int8 rows as
+// gemm.cc / quantize.h lay them out); `gate_up`: n is each of gate and up.
+uint64_t ProjectionBytes(ProjectionForm form, int64_t n, int64_t k, bool gate_up,
+                         size_t dense_element) {
+  const uint64_t outs = static_cast<uint64_t>(gate_up ? 2 * n : n);
+  switch (form) {
+    case ProjectionForm::kDense:
+      return outs * k * dense_element;
+    case ProjectionForm::kPacked: {
+      const uint64_t kpairs = static_cast<uint64_t>((k + 31) / 32 * 16);
+      const uint64_t panels = static_cast<uint64_t>(gate_up ? (n + 15) / 16 : (n + 31) / 32);
+      return panels * kpairs * 2 * 32 * 2;
+    }
+    case ProjectionForm::kInt8:
+      return outs * static_cast<uint64_t>((k + 63) / 64 * 64) + outs * sizeof(float);
+  }
+  return 0;
+}
+
+// What a materialized layer holds, by the same rule as ProjectionBytes.
+uint64_t HeldBytes(const DecoderLayerWeights& w) {
+  uint64_t total = 0;
+  for (const at::Tensor* t :
+       {&w.input_layernorm, &w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.q_norm, &w.k_norm,
+        &w.post_attention_layernorm, &w.gate_proj, &w.up_proj, &w.down_proj}) {
+    if (t->defined()) total += t->nbytes();
+  }
+  for (const kernels::PackedWeight* p : {&w.qkv, &w.o, &w.gate_up, &w.down}) total += p->bytes();
+  for (const kernels::QuantizedWeight* q : {&w.qkv8, &w.o8, &w.gate_up8, &w.down8}) {
+    if (!q->empty()) total += q->bytes();
+  }
+  return total;
+}
+
 }  // namespace
+
+const char* ProjectionFormName(ProjectionForm form) {
+  switch (form) {
+    case ProjectionForm::kDense:
+      return "dense";
+    case ProjectionForm::kPacked:
+      return "packed";
+    case ProjectionForm::kInt8:
+      return "int8";
+  }
+  return "?";
+}
 
 prometheus::Gauge& WeightBytesResidentGauge(const std::string& part) {
   return Metrics().bytes->Add({{"part", part}});
@@ -175,6 +221,10 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
   if (options.resident_layers < 0 || options.prefetch_layers < 0) {
     return absl::InvalidArgumentError("resident_layers and prefetch_layers must be >= 0");
   }
+  if (options.form != ProjectionForm::kDense && compute_dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ProjectionFormName(options.form), " projections need the bf16 compute dtype"));
+  }
   std::unique_ptr<LayerStore> store(new LayerStore());
   store->checkpoint_ = std::move(checkpoint);
   store->dtype_ = compute_dtype;
@@ -196,8 +246,19 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
       const bool same = ((*info)->dtype == StDType::kBF16 && compute_dtype == at::kBFloat16) ||
                         ((*info)->dtype == StDType::kF32 && compute_dtype == at::kFloat);
       all_in_place = all_in_place && same;
-      slot.bytes += (*info)->numel() * at::elementSize(compute_dtype);
       slot.names.push_back(std::move(name));
+    }
+    // Norms (fields 0, 5, 6, 7) stay dense; projections take options.form.
+    const size_t e = at::elementSize(compute_dtype);
+    const ProjectionForm f = options.form;
+    slot.bytes = static_cast<uint64_t>(2 * h + 2 * c.head_dim) * e;
+    if (f == ProjectionForm::kDense) {
+      slot.bytes += ProjectionBytes(f, q, h, false, e) + 2 * ProjectionBytes(f, kv, h, false, e) +
+                    ProjectionBytes(f, h, q, false, e) + ProjectionBytes(f, inter, h, true, e) +
+                    ProjectionBytes(f, h, inter, false, e);
+    } else {
+      slot.bytes += ProjectionBytes(f, q + 2 * kv, h, false, e) + ProjectionBytes(f, h, q, false, e) +
+                    ProjectionBytes(f, inter, h, true, e) + ProjectionBytes(f, h, inter, false, e);
     }
   }
   store->in_place_ = all_in_place;
@@ -255,7 +316,11 @@ absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materiali
       absl::Status s = ckpt.Touch(name);
       if (!s.ok()) return s;
     }
-    return slot.views;
+    if (options_.form == ProjectionForm::kDense) return slot.views;
+    auto w = std::make_shared<DecoderLayerWeights>(*slot.views);
+    absl::Status s = Convert(layer, *w);
+    if (!s.ok()) return s;
+    return std::shared_ptr<const DecoderLayerWeights>(std::move(w));
   }
   std::vector<at::Tensor> tensors;
   for (const std::string& name : slot.names) {
@@ -263,13 +328,66 @@ absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materiali
     if (!t.ok()) return t.status();
     tensors.push_back(*std::move(t));
   }
-  return std::shared_ptr<const DecoderLayerWeights>(FromTensors(std::move(tensors)));
+  std::shared_ptr<DecoderLayerWeights> w = FromTensors(std::move(tensors));
+  if (options_.form != ProjectionForm::kDense) {
+    absl::Status s = Convert(layer, *w);
+    if (!s.ok()) return s;
+  }
+  return std::shared_ptr<const DecoderLayerWeights>(std::move(w));
+}
+
+absl::Status LayerStore::Convert(int layer, DecoderLayerWeights& w) const {
+  const std::string where = absl::StrCat("layer ", layer, ": ");
+  try {
+    const at::Tensor qkv = at::cat({w.q_proj, w.k_proj, w.v_proj}, 0);  // [q + 2kv, hidden]
+    if (options_.form == ProjectionForm::kPacked) {
+      absl::StatusOr<kernels::PackedWeight> p = kernels::PackedWeight::Pack(qkv);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.qkv = *std::move(p);
+      p = kernels::PackedWeight::Pack(w.o_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.o = *std::move(p);
+      p = kernels::PackedWeight::PackGateUp(w.gate_proj, w.up_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.gate_up = *std::move(p);
+      p = kernels::PackedWeight::Pack(w.down_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.down = *std::move(p);
+    } else {
+      absl::StatusOr<kernels::QuantizedWeight> q = kernels::QuantizeInt8(qkv);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.qkv8 = *std::move(q);
+      q = kernels::QuantizeInt8(w.o_proj);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.o8 = *std::move(q);
+      q = kernels::QuantizeInt8(at::cat({w.gate_proj, w.up_proj}, 0));
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.gate_up8 = *std::move(q);
+      q = kernels::QuantizeInt8(w.down_proj);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.down8 = *std::move(q);
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(where + e.what_without_backtrace());
+  }
+  // One copy of every weight: release the dense projections (mapped pages
+  // back to the page cache, converted copies freed with the tensors).
+  for (at::Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj,
+                        &w.down_proj}) {
+    t->reset();
+  }
+  if (in_place_) {
+    const Slot& slot = slots_[layer];
+    for (int f : {1, 2, 3, 4, 8, 9, 10}) checkpoint_->Evict(slot.names[f]).IgnoreError();
+  }
+  return absl::OkStatus();
 }
 
 void LayerStore::MarkResident(int layer, std::shared_ptr<const DecoderLayerWeights> weights,
                               double seconds) {
   Slot& slot = slots_[layer];
   slot.state = State::kResident;
+  slot.bytes = HeldBytes(*weights);  // the estimate from Create, made exact
   slot.weights = std::move(weights);
   slot.last_use = ++tick_;
   ++resident_count_;

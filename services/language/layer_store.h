@@ -10,7 +10,10 @@
 // `resident_layers` N > 0 at most N layers stay resident: the least recently
 // used unpinned layer is dropped (MADV_DONTNEED of its pages, or its converted
 // copies freed). Values never change with residency, only where they are read
-// from, so outputs are identical with and without a bound.
+// from, so outputs are identical with and without a bound. With
+// options.form packed or int8 the projections are converted after the page-in
+// and their dense pages released, so a dropped layer is converted again on its
+// next use.
 //
 // Metrics: vlm_language_layers_resident, vlm_language_weight_bytes_resident
 // {part="layers"} (and "embedding"/"projector" set by their owners),
@@ -33,6 +36,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/kernels/gemm.h"
+#include "common/kernels/quantize.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 
@@ -71,6 +76,22 @@ prometheus::Gauge& WeightBytesResidentGauge(const std::string& part);
 // Decoder layers
 // ---------------------------------------------------------------------------
 
+// The form a layer's seven projections (q, k, v, o, gate, up, down) take once
+// materialized; norms always stay dense in the compute dtype.
+enum class ProjectionForm {
+  // Dense [out, in] tensors in the compute dtype (at::linear / vlm::Gemv).
+  kDense,
+  // bf16 compute only: packed for kernels::Gemm (qkv, o, gate_up, down below).
+  // The dense tensors are released after packing (mapped pages MADV_DONTNEED,
+  // converted copies freed) and left undefined: one copy of every weight.
+  kPacked,
+  // bf16 compute only: int8 per output channel (quantize.h) for
+  // kernels::GemvInt8 (qkv8, o8, gate_up8, down8 below); dense tensors
+  // released as for kPacked.
+  kInt8,
+};
+const char* ProjectionFormName(ProjectionForm form);  // "dense", "packed", "int8"
+
 // One Qwen3 decoder layer (spec §2 names, [out, in] layouts).
 struct DecoderLayerWeights {
   at::Tensor input_layernorm;           // [hidden]
@@ -84,6 +105,12 @@ struct DecoderLayerWeights {
   at::Tensor gate_proj;                 // [intermediate, hidden]
   at::Tensor up_proj;                   // [intermediate, hidden]
   at::Tensor down_proj;                 // [hidden, intermediate]
+  // ProjectionForm::kPacked: q|k|v as one weight [heads·D + 2·kv_heads·D, hidden]
+  // (one GEMM, columns split after), o, gate/up (PackGateUp: SiLU·up epilogue), down.
+  kernels::PackedWeight qkv, o, gate_up, down;
+  // ProjectionForm::kInt8: q|k|v and gate|up concatenated along the output
+  // (per-channel scales make that identical to separate weights).
+  kernels::QuantizedWeight qkv8, o8, gate_up8, down8;
 };
 
 struct LayerStoreOptions {
@@ -95,6 +122,9 @@ struct LayerStoreOptions {
   // Layers the background thread prepares ahead of the one acquired; 0 turns
   // the thread off.
   int prefetch_layers = 1;
+  // What materialization makes of the projections (kPacked / kInt8 need a
+  // bf16 compute dtype: Create rejects them otherwise).
+  ProjectionForm form = ProjectionForm::kDense;
 };
 
 class LayerStore {
@@ -136,8 +166,11 @@ class LayerStore {
   bool in_place() const { return in_place_; }  // weights are views of the mapping
   at::ScalarType compute_dtype() const { return dtype_; }
   const LayerStoreOptions& options() const { return options_; }
-  uint64_t layer_bytes(int layer) const;  // bytes in the compute dtype
-  uint64_t total_bytes() const;           // all layers
+  // Bytes a layer holds while resident in options().form (dense tensors, or
+  // packed panels / int8 rows + scales, plus the norms); what
+  // vlm_language_weight_bytes_resident{part="layers"} counts.
+  uint64_t layer_bytes(int layer) const;
+  uint64_t total_bytes() const;  // all layers
 
   // Snapshot counters (tests, logs).
   bool IsResident(int layer) const;
@@ -154,7 +187,7 @@ class LayerStore {
     uint64_t last_use = 0;
     bool queued = false;  // waiting in the prefetch queue
     std::vector<std::string> names;  // checkpoint tensors of the layer, field order
-    uint64_t bytes = 0;              // in the compute dtype
+    uint64_t bytes = 0;              // resident size in options_.form
     std::shared_ptr<const DecoderLayerWeights> views;    // in place: set at Create
     std::shared_ptr<const DecoderLayerWeights> weights;  // while resident
   };
@@ -162,6 +195,9 @@ class LayerStore {
   LayerStore() = default;
   // Reads the layer's pages or converts it; no lock held.
   absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> Materialize(int layer) const;
+  // Packs or quantizes the projections of a materialized layer (options_.form)
+  // and releases the dense ones; no lock held.
+  absl::Status Convert(int layer, DecoderLayerWeights& w) const;
   // Marks a loaded layer resident and updates metrics; lock held.
   void MarkResident(int layer, std::shared_ptr<const DecoderLayerWeights> weights, double seconds);
   void Drop(int layer);  // lock held; the slot is resident and unpinned

@@ -33,7 +33,16 @@ ABSL_FLAG(int64_t, kv_block_size, 16, "tokens per KV cache block");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of cached prompt prefixes (text and images)");
 ABSL_FLAG(int64_t, max_context, 8192, "prompt + completion tokens per sequence (KV cache size)");
 ABSL_FLAG(int64_t, prefill_chunk_tokens, 512, "prompt tokens per prefill pass (0 = whole prompt)");
-ABSL_FLAG(bool, use_gemv, true, "decode-step projections through the bf16 matrix-vector kernels");
+ABSL_FLAG(bool, use_gemv, true,
+          "LM head (and, with --matmul=torch, decode-row projections) through the bf16 "
+          "matrix-vector kernels");
+ABSL_FLAG(std::string, matmul, "auto",
+          "decoder projections in bf16: kernels (packed weights, the project's GEMM for prefill "
+          "and decode rows; needs AVX-512 BF16 or AMX), torch (at::linear + vlm::Gemv), auto "
+          "(kernels where available); f32 compute always uses at::linear");
+ABSL_FLAG(std::string, weight_dtype, "bf16",
+          "decoder projection weights: bf16, or int8 (per output channel, quantized at layer "
+          "materialization; needs --compute_dtype bf16; ignores --matmul)");
 ABSL_FLAG(int, intra_op_threads, 0, "LibTorch intra-op threads; 0 = hardware concurrency");
 ABSL_FLAG(int, warmup_delay_ms, 0, "artificial delay after the projector warm-up (tests of readiness)");
 
@@ -64,6 +73,20 @@ int Run() {
   options.max_context = absl::GetFlag(FLAGS_max_context);
   options.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
   options.use_gemv = absl::GetFlag(FLAGS_use_gemv);
+  absl::StatusOr<vlm::language::MatmulPath> matmul =
+      vlm::language::ParseMatmulPath(absl::GetFlag(FLAGS_matmul));
+  if (!matmul.ok()) {
+    vlm::LogError(kLog, "bad --matmul", {{"error", matmul.status().ToString()}});
+    return 2;
+  }
+  options.matmul = *matmul;
+  absl::StatusOr<vlm::language::WeightDType> weight_dtype =
+      vlm::language::ParseWeightDType(absl::GetFlag(FLAGS_weight_dtype));
+  if (!weight_dtype.ok()) {
+    vlm::LogError(kLog, "bad --weight_dtype", {{"error", weight_dtype.status().ToString()}});
+    return 2;
+  }
+  options.weight_dtype = *weight_dtype;
   options.warmup_delay = absl::Milliseconds(absl::GetFlag(FLAGS_warmup_delay_ms));
   if (options.model_dir.empty() || options.max_sequences < 1 || options.max_queue < 0 ||
       options.max_context < 2 || options.resident_layers < 0 || options.max_batch_tokens < 1 ||
