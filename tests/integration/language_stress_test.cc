@@ -154,7 +154,9 @@ TEST(LanguageStressTest, SixtyFourRequestsFromSixteenThreadsAllEndAndReturnEvery
       default:
         ADD_FAILURE() << what;
     }
-    if (o.kind == Kind::kComplete) EXPECT_TRUE(o.status.ok()) << what;
+    if (o.kind == Kind::kComplete) {
+      EXPECT_TRUE(o.status.ok()) << what;
+    }
   }
   EXPECT_GT(ok, 0);
   EXPECT_GT(cancelled + late, 0);

@@ -691,7 +691,9 @@ TEST_F(OpenAiHttpExtraTest, RemoteImagesAreFetchedWhenAllowedWithinLimits) {
   auto ok = ask("/cat.png");
   ASSERT_TRUE(ok);
   EXPECT_EQ(ok->status, 200) << ok->body;
-  if (ok->status == 200) EXPECT_EQ(json::parse(ok->body)["x_vlm"]["images"][0]["tokens"], 6);
+  if (ok->status == 200) {
+    EXPECT_EQ(json::parse(ok->body)["x_vlm"]["images"][0]["tokens"], 6);
+  }
   const std::string param = "messages[0].content[1].image_url.url";
   for (const auto& [path, words] : std::vector<std::pair<std::string, std::string>>{
            {"/note.txt", "is not a JPEG, PNG or WebP image"},

@@ -443,7 +443,9 @@ TEST(DecoderKernelsTest, ResidencyBoundGivesIdenticalLogitsWithPackedAndInt8Laye
       ASSERT_TRUE(kv.ok());
       RunTogether(**d, *kv, {&s});
       results.push_back(at::stack(s.logits));
-      if (bound > 0) EXPECT_GT((*d)->layers().evictions(), 0);
+      if (bound > 0) {
+        EXPECT_GT((*d)->layers().evictions(), 0);
+      }
     }
     EXPECT_TRUE(at::equal(results[0], results[1])) << WeightDTypeName(weights);
   }

@@ -266,7 +266,9 @@ TEST(DecoderTest, ChunkedPrefillEqualsUnchunked) {
           EXPECT_TRUE(same[i].item<bool>()) << name << " chunk " << chunk << " row " << i
                                             << " margin " << margin[i].item<double>();
         }
-        if (f32) EXPECT_EQ(moved, 0) << name << " chunk " << chunk;
+        if (f32) {
+          EXPECT_EQ(moved, 0) << name << " chunk " << chunk;
+        }
         std::printf("  %s %s chunk %ld: worst relative difference %.2e, top-1 moved at %ld of %ld "
                     "rows (%ld with a clear margin checked)\n",
                     ComputeDTypeName(dtype), name, static_cast<long>(chunk), worst,

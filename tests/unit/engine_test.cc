@@ -205,7 +205,9 @@ class EngineTest : public ::testing::Test {
     for (size_t i = 0; i < requests.size(); ++i) {
       ExpectSame(batched[i], alone[i], "request " + std::to_string(i));
     }
-    if (h.fake != nullptr) EXPECT_GE(h.fake->max_chunks(), min_batch);
+    if (h.fake != nullptr) {
+      EXPECT_GE(h.fake->max_chunks(), min_batch);
+    }
     EXPECT_GE(h.engine->Stats().max_batch_sequences, min_batch) << "the requests shared passes";
     EXPECT_EQ(h.engine->Stats().blocks_used, 0);
   }
