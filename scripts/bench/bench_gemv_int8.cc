@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -101,21 +102,29 @@ int main(int argc, char** argv) {
     for (const Shape& s : kLayerShapes) a.y.push_back(at::empty({b, s.out}, at::kBFloat16));
     a.logits = at::empty({b, kHead.out}, at::kFloat);
   }
+  // Per-call microseconds by (int8, batch, call name), for the per-call table.
+  std::map<std::tuple<bool, int, std::string>, std::vector<double>> calls;
   auto step = [&](bool int8, int batch) {
     Acts& a = acts[batch];
+    auto call = [&](const Shape& s, const at::Tensor& x, const at::Tensor& w16_,
+                    const vlm::kernels::QuantizedWeight& w8_, at::Tensor* y) {
+      const auto t = Clock::now();
+      if (int8) CheckOk(vlm::kernels::GemvInt8(x, w8_, y), "int8 gemv");
+      else CheckOk(vlm::Gemv(x, w16_, y), "gemv");
+      calls[{int8, batch, s.name}].push_back(
+          std::chrono::duration<double, std::micro>(Clock::now() - t).count());
+    };
     const auto start = Clock::now();
     for (int l = 0; l < layers; ++l) {
       for (int i = 0; i < 7; ++i) {
-        const at::Tensor& x = i == kDown ? a.xi : a.xh;
-        if (int8) CheckOk(vlm::kernels::GemvInt8(x, w8[l][i], &a.y[i]), "int8 gemv");
-        else CheckOk(vlm::Gemv(x, w16[l][i], &a.y[i]), "gemv");
+        call(kLayerShapes[i], i == kDown ? a.xi : a.xh, w16[l][i], w8[l][i], &a.y[i]);
       }
     }
-    if (int8) CheckOk(vlm::kernels::GemvInt8(a.xh, head8[0], &a.logits), "int8 gemv");
-    else CheckOk(vlm::Gemv(a.xh, head16[0], &a.logits), "gemv");
+    call(kHead, a.xh, head16[0], head8[0], &a.logits);
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
   for (int b : batches) step(false, b), step(true, b);  // warm-up
+  calls.clear();
   std::map<int, std::vector<double>> t16, t8;
   for (int r = 0; r < reps; ++r) {
     bound.Measure(threads);
@@ -135,6 +144,23 @@ int main(int argc, char** argv) {
     rows.push_back({"int8 (GemvInt8)", threads, b, bytes8, t8[b]});
   }
   vlm::bench::PrintStepTable(rows, bound, "bf16 (vlm::Gemv)");
+  std::printf("\nPer call: median us (bf16 / int8) over %d layers x %d reps; time / bound for int8\n",
+              layers, reps);
+  std::printf("| B | call | bf16 us | int8 us | int8 speed vs bf16 | int8 time / bound |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  for (int b : batches) {
+    for (const Shape& s : kLayerShapes) {
+      const double u16 = vlm::bench::Median(calls[{false, b, s.name}]);
+      const double u8 = vlm::bench::Median(calls[{true, b, s.name}]);
+      const int64_t bytes = s.out * ((s.in + 63) / 64 * 64 + 4);
+      std::printf("| %d | %s | %.1f | %.1f | %.2fx | %.2fx |\n", b, s.name, u16, u8, u16 / u8,
+                  u8 * 1e-6 / bound.Seconds(bytes));
+    }
+    const double u16 = vlm::bench::Median(calls[{false, b, kHead.name}]);
+    const double u8 = vlm::bench::Median(calls[{true, b, kHead.name}]);
+    std::printf("| %d | %s | %.1f | %.1f | %.2fx | %.2fx |\n", b, kHead.name, u16, u8, u16 / u8,
+                u8 * 1e-6 / bound.Seconds(kHead.out * (kHead.in + 4)));
+  }
   std::printf("\nload average at end: %s\n", vlm::bench::LoadAverage().c_str());
   return 0;
 }

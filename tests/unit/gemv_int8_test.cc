@@ -29,6 +29,16 @@ at::Tensor BlockQuantized(const at::Tensor& x, int64_t block) {
   return (q * d).view({b, kp}).narrow(1, 0, k).to(at::kDouble);
 }
 
+// The quantization step d of each element's block of `block`: [B, K] f64.
+at::Tensor BlockStep(const at::Tensor& x, int64_t block) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const int64_t b = xf.size(0), k = xf.size(1), kp = (k + block - 1) / block * block;
+  at::Tensor padded = at::zeros({b, kp});
+  padded.narrow(1, 0, k).copy_(xf);
+  const at::Tensor d = padded.view({b, kp / block, block}).abs().amax(-1, true) / 127.0f;
+  return d.expand({b, kp / block, block}).reshape({b, kp}).narrow(1, 0, k).to(at::kDouble);
+}
+
 // Per-row activation scales (the alternative not taken).
 at::Tensor RowQuantized(const at::Tensor& x) {
   const at::Tensor xf = x.to(at::kFloat);
@@ -97,6 +107,52 @@ TEST(GemvInt8Test, PathsAgree) {
   o.path = GemvInt8Path::kScalar;
   ASSERT_TRUE(GemvInt8(x, *q, &b, o).ok());
   EXPECT_LT(((a - b).abs() / (b.abs() + 1e-3)).max().item<float>(), 1e-4);
+}
+
+// One-hot weight rows (w[n, k] = 1 iff k == n) make every output a single
+// product, scale·d·xq·127, with no sum to round differently: the VNNI path's
+// vector quantization of x (scales, rounding, clamping, start values for the
+// +128 offset) must then give bit-identical results to the scalar path, for
+// bf16 and f32 x, K with and without tails, and batch rows in every group size.
+TEST(GemvInt8Test, VnniQuantizesActivationsExactlyAsScalar) {
+  if (!GemvInt8PathSupported(GemvInt8Path::kAvx512Vnni)) GTEST_SKIP() << "no AVX-512 VNNI";
+  at::manual_seed(12);
+  for (int64_t k : {1, 31, 70, 129, 2048}) {
+    absl::StatusOr<QuantizedWeight> q = QuantizeInt8(at::eye(k));
+    ASSERT_TRUE(q.ok());
+    for (int64_t b : {1, 3, 4, 5, 8}) {
+      at::Tensor x = at::randn({b, k}) * at::logspace(-3, 2, k).unsqueeze(0);
+      x.select(1, k / 2).mul_(40);  // one outlier channel
+      x.select(1, 0).zero_();
+      for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+        at::Tensor a, s;
+        GemvInt8Options o;
+        o.path = GemvInt8Path::kAvx512Vnni;
+        ASSERT_TRUE(GemvInt8(x.to(dt), *q, &a, o).ok());
+        o.path = GemvInt8Path::kScalar;
+        ASSERT_TRUE(GemvInt8(x.to(dt), *q, &s, o).ok());
+        EXPECT_TRUE(at::equal(a, s)) << "K=" << k << " B=" << b << " " << dt;
+        // And they are the block-quantized x itself (w = I): to within one
+        // quantization step of the block where x·(1/d) and x/d round apart.
+        const at::Tensor ref = BlockQuantized(x.to(dt), 32);
+        const at::Tensor step = BlockStep(x.to(dt), 32);
+        EXPECT_TRUE(((a.to(at::kDouble) - ref).abs() <= step * 1.001).all().item<bool>())
+            << "K=" << k << " B=" << b << " " << dt;
+      }
+    }
+  }
+}
+
+TEST_P(GemvInt8PathTest, RowsOfXWithAStrideWork) {
+  const at::Tensor w = at::randn({96, 100}) * 0.05;
+  const at::Tensor wide = at::randn({3, 160});
+  const at::Tensor x = wide.narrow(1, 20, 100);  // row stride 160
+  absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+  ASSERT_TRUE(q.ok());
+  at::Tensor y, y_contiguous;
+  ASSERT_TRUE(GemvInt8(x, *q, &y, options_).ok());
+  ASSERT_TRUE(GemvInt8(x.contiguous(), *q, &y_contiguous, options_).ok());
+  EXPECT_TRUE(at::equal(y, y_contiguous));
 }
 
 // A decoder-like hidden state: unit-scale channels plus a few outliers 50x larger.
