@@ -189,7 +189,7 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
 }
 
 // --- avx512vnni ----------------------------------------------------------------
-// A tile is R weight rows × NB batch rows. Per 64-byte chunk the R weight
+// B >= 2: a tile is R weight rows × NB batch rows. Per 64-byte chunk the R weight
 // vectors are loaded once and each batch row's quantized x, scales and start
 // values once, then R·NB independent VPDPBUSD → convert → FMA chains run
 // (R·NB + R + 4 vector registers). Each weight load is paired with a prefetch
@@ -232,6 +232,47 @@ VLM_TARGET_VNNI inline void TileVnni(const QuantizedX& x, int64_t b0, const Quan
       out.Store(b0 + b, r0 + r, w.scales()[r0 + r] * _mm512_reduce_add_ps(acc[b][r]));
 }
 
+// B = 1: one row at a time, front to back, so each thread reads its rows as a
+// single sequential stream (the hardware prefetchers' best case; interleaving
+// 4 rows of 2 KB measured about 25% slower per byte at B = 1 on AMD Zen 5),
+// with 4 accumulators over consecutive chunks to hide the FMA latency and a
+// prefetch kSeqPrefetch bytes ahead in the stream (which runs on into the
+// next row).
+constexpr int64_t kSeqPrefetch = 512;
+
+// acc + d_lanes · Σ q·xq over chunk c of one weight row and one batch row.
+VLM_TARGET_VNNI inline __m512 ChunkVnni(const uint8_t* w, const int8_t* xq, const float* d_lanes,
+                                        const int32_t* bias, int64_t c, __m512 acc) {
+  const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(bias + c * 16),
+                                          _mm512_load_si512(w + c * kChunk),
+                                          _mm512_loadu_si512(xq + c * kChunk));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(d_lanes + c * 16), acc);
+}
+
+VLM_TARGET_VNNI void RowSequentialVnni(const QuantizedX& x, const QuantizedWeight& w, int64_t r,
+                                       const Output& out) {
+  constexpr int A = 4;
+  __m512 acc[A];
+  for (int a = 0; a < A; ++a) acc[a] = _mm512_setzero_ps();
+  const int64_t chunks = x.k_padded / kChunk;
+  const uint8_t* wp = w.row(r);
+  const int8_t* xq = x.q.data();
+  const float* dl = x.d_lanes.data();
+  const int32_t* bl = x.bias_lanes.data();
+  int64_t c = 0;
+  for (; c + A <= chunks; c += A) {
+#pragma GCC unroll 4
+    for (int a = 0; a < A; ++a) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (c + a) * kChunk + kSeqPrefetch),
+                   _MM_HINT_T0);
+      acc[a] = ChunkVnni(wp, xq, dl, bl, c + a, acc[a]);
+    }
+  }
+  for (; c < chunks; ++c) acc[0] = ChunkVnni(wp, xq, dl, bl, c, acc[0]);
+  const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+  out.Store(0, r, w.scales()[r] * _mm512_reduce_add_ps(s));
+}
+
 // Rows [r0, r1) for every batch row: tiles of R rows (1 for the tail), batch
 // rows in groups of up to 4; a tile's weights stay in L1 across groups.
 template <int R>
@@ -253,6 +294,9 @@ constexpr int64_t kRowsPerTask = 64;
 VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const QuantizedWeight& w, const Output& out,
                               int64_t r0, int64_t r1) {
   int64_t r = r0;
+  if (x.batch == 1) {
+    for (; r < r1; ++r) RowSequentialVnni(x, w, r, out);
+  }
   for (; r + kRowTile <= r1; r += kRowTile) RowTileVnni<kRowTile>(x, w, r, out);
   for (; r < r1; ++r) RowTileVnni<1>(x, w, r, out);
   _mm256_zeroupper();

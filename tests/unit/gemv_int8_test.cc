@@ -62,7 +62,8 @@ class GemvInt8PathTest : public ::testing::TestWithParam<GemvInt8Path> {
 
 TEST_P(GemvInt8PathTest, MatchesTheQuantizedMathInFloat64) {
   for (auto [b, n, k] : {std::array<int64_t, 3>{1, 1, 1}, {1, 33, 70}, {2, 64, 64}, {3, 100, 129},
-                         {5, 17, 2048}, {8, 257, 300}, {2, 1000, 256}}) {  // the last one splits over threads
+                         {5, 17, 2048}, {8, 257, 300}, {2, 1000, 256},
+                         {1, 1000, 320}, {1, 300, 6144}}) {  // N = 1000, 300: split over threads
     const at::Tensor w = at::randn({n, k}) * 0.05;
     const at::Tensor x = at::randn({b, k});
     absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
@@ -97,16 +98,19 @@ INSTANTIATE_TEST_SUITE_P(Paths, GemvInt8PathTest,
 TEST(GemvInt8Test, PathsAgree) {
   if (!GemvInt8PathSupported(GemvInt8Path::kAvx512Vnni)) GTEST_SKIP() << "no AVX-512 VNNI";
   at::manual_seed(5);
-  const at::Tensor w = at::randn({300, 2048}) * 0.02, x = at::randn({4, 2048});
+  const at::Tensor w = at::randn({300, 2048}) * 0.02;
   absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
   ASSERT_TRUE(q.ok());
-  at::Tensor a, b;
-  GemvInt8Options o;
-  o.path = GemvInt8Path::kAvx512Vnni;
-  ASSERT_TRUE(GemvInt8(x, *q, &a, o).ok());
-  o.path = GemvInt8Path::kScalar;
-  ASSERT_TRUE(GemvInt8(x, *q, &b, o).ok());
-  EXPECT_LT(((a - b).abs() / (b.abs() + 1e-3)).max().item<float>(), 1e-4);
+  for (int64_t batch : {1, 4}) {  // the sequential-row (B = 1) and the tiled kernel
+    const at::Tensor x = at::randn({batch, 2048});
+    at::Tensor a, b;
+    GemvInt8Options o;
+    o.path = GemvInt8Path::kAvx512Vnni;
+    ASSERT_TRUE(GemvInt8(x, *q, &a, o).ok());
+    o.path = GemvInt8Path::kScalar;
+    ASSERT_TRUE(GemvInt8(x, *q, &b, o).ok());
+    EXPECT_LT(((a - b).abs() / (b.abs() + 1e-3)).max().item<float>(), 1e-4) << "B=" << batch;
+  }
 }
 
 // One-hot weight rows (w[n, k] = 1 iff k == n) make every output a single
