@@ -393,10 +393,17 @@ absl::Status GemvInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor*
     // Blocks of kRowsPerTask rows (a multiple of 32: threads never share an
     // output cache line).
     const int64_t tasks = (n + kRowsPerTask - 1) / kRowsPerTask;
-    ParallelFor(tasks, options.threads, 1, [&qx, &w, &out, n, vnni](int64_t t0, int64_t t1) {
-      const int64_t r0 = t0 * kRowsPerTask, r1 = std::min(n, t1 * kRowsPerTask);
-      if (vnni) RowsVnni(qx, w, out, r0, r1);
-      else RowsScalar(qx, w, out, r0, r1);
+    struct Work {
+      const QuantizedX* x;
+      const QuantizedWeight* w;
+      const Output* out;
+      bool vnni;
+    } work{&qx, &w, &out, vnni};
+    // One captured pointer: fits std::function's inline storage (no allocation per call).
+    ParallelFor(tasks, options.threads, 1, [k = &work](int64_t t0, int64_t t1) {
+      const int64_t r0 = t0 * kRowsPerTask, r1 = std::min(k->out->n, t1 * kRowsPerTask);
+      if (k->vnni) RowsVnni(*k->x, *k->w, *k->out, r0, r1);
+      else RowsScalar(*k->x, *k->w, *k->out, r0, r1);
     });
     return absl::OkStatus();
   } catch (const std::bad_alloc&) {

@@ -409,8 +409,15 @@ void RunParallel(RowsKernel kernel, const Input& in, const std::vector<Matrix>& 
   int64_t total = 0;
   for (const Matrix& m : mats) total += m.rows;
   const int64_t blocks = (total + kBlockRows - 1) / kBlockRows;
-  kernels::ParallelFor(blocks, kernels::DefaultThreads(), 1, [&](int64_t b0, int64_t b1) {
-    RunRows(kernel, in, mats, b0 * kBlockRows, std::min(total, b1 * kBlockRows));
+  struct Work {
+    RowsKernel kernel;
+    const Input* in;
+    const std::vector<Matrix>* mats;
+    int64_t total;
+  } work{kernel, &in, &mats, total};
+  // One captured pointer: fits std::function's inline storage (no allocation per call).
+  kernels::ParallelFor(blocks, kernels::DefaultThreads(), 1, [w = &work](int64_t b0, int64_t b1) {
+    RunRows(w->kernel, *w->in, *w->mats, b0 * kBlockRows, std::min(w->total, b1 * kBlockRows));
   });
 }
 
