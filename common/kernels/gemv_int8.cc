@@ -189,7 +189,7 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
 }
 
 // --- avx512vnni ----------------------------------------------------------------
-// B >= 2: a tile is R weight rows × NB batch rows. Per 64-byte chunk the R weight
+// B >= 3: a tile is R weight rows × NB batch rows. Per 64-byte chunk the R weight
 // vectors are loaded once and each batch row's quantized x, scales and start
 // values once, then R·NB independent VPDPBUSD → convert → FMA chains run
 // (R·NB + R + 4 vector registers). Each weight load is paired with a prefetch
@@ -232,10 +232,11 @@ VLM_TARGET_VNNI inline void TileVnni(const QuantizedX& x, int64_t b0, const Quan
       out.Store(b0 + b, r0 + r, w.scales()[r0 + r] * _mm512_reduce_add_ps(acc[b][r]));
 }
 
-// B = 1: one row at a time, front to back, so each thread reads its rows as a
-// single sequential stream (the hardware prefetchers' best case; interleaving
-// 4 rows of 2 KB measured about 25% slower per byte at B = 1 on AMD Zen 5),
-// with 4 accumulators over consecutive chunks to hide the FMA latency and a
+// B = 1, 2: one row at a time, front to back, so each thread reads its rows
+// as a single sequential stream (the hardware prefetchers' best case;
+// interleaving 4 rows of 2 KB measured about 25% slower per byte at B = 1 on
+// AMD Zen 5, and at B = 2 too), with 4 accumulator chains over consecutive
+// chunks (4 / B per batch row) to hide the FMA latency and a
 // prefetch kSeqPrefetch bytes ahead in the stream (which runs on into the
 // next row).
 constexpr int64_t kSeqPrefetch = 512;
@@ -249,28 +250,39 @@ VLM_TARGET_VNNI inline __m512 ChunkVnni(const uint8_t* w, const int8_t* xq, cons
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(d_lanes + c * 16), acc);
 }
 
+template <int NB>
 VLM_TARGET_VNNI void RowSequentialVnni(const QuantizedX& x, const QuantizedWeight& w, int64_t r,
                                        const Output& out) {
-  constexpr int A = 4;
-  __m512 acc[A];
-  for (int a = 0; a < A; ++a) acc[a] = _mm512_setzero_ps();
-  const int64_t chunks = x.k_padded / kChunk;
+  constexpr int A = 4 / NB;  // accumulators per batch row: 4 chains in all
+  __m512 acc[NB][A];
+  for (int b = 0; b < NB; ++b)
+    for (int a = 0; a < A; ++a) acc[b][a] = _mm512_setzero_ps();
+  const int64_t kp = x.k_padded, chunks = kp / kChunk;
   const uint8_t* wp = w.row(r);
-  const int8_t* xq = x.q.data();
-  const float* dl = x.d_lanes.data();
-  const int32_t* bl = x.bias_lanes.data();
   int64_t c = 0;
   for (; c + A <= chunks; c += A) {
 #pragma GCC unroll 4
     for (int a = 0; a < A; ++a) {
       _mm_prefetch(reinterpret_cast<const char*>(wp + (c + a) * kChunk + kSeqPrefetch),
                    _MM_HINT_T0);
-      acc[a] = ChunkVnni(wp, xq, dl, bl, c + a, acc[a]);
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) {
+        acc[b][a] = ChunkVnni(wp, x.q.data() + b * kp, x.d_lanes.data() + b * chunks * 16,
+                              x.bias_lanes.data() + b * chunks * 16, c + a, acc[b][a]);
+      }
     }
   }
-  for (; c < chunks; ++c) acc[0] = ChunkVnni(wp, xq, dl, bl, c, acc[0]);
-  const __m512 s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-  out.Store(0, r, w.scales()[r] * _mm512_reduce_add_ps(s));
+  for (; c < chunks; ++c) {
+    for (int b = 0; b < NB; ++b) {
+      acc[b][0] = ChunkVnni(wp, x.q.data() + b * kp, x.d_lanes.data() + b * chunks * 16,
+                            x.bias_lanes.data() + b * chunks * 16, c, acc[b][0]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    __m512 s = acc[b][0];
+    for (int a = 1; a < A; ++a) s = _mm512_add_ps(s, acc[b][a]);
+    out.Store(b, r, w.scales()[r] * _mm512_reduce_add_ps(s));
+  }
 }
 
 // Rows [r0, r1) for every batch row: tiles of R rows (1 for the tail), batch
@@ -295,7 +307,9 @@ VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const QuantizedWeight& w, con
                               int64_t r0, int64_t r1) {
   int64_t r = r0;
   if (x.batch == 1) {
-    for (; r < r1; ++r) RowSequentialVnni(x, w, r, out);
+    for (; r < r1; ++r) RowSequentialVnni<1>(x, w, r, out);
+  } else if (x.batch == 2) {
+    for (; r < r1; ++r) RowSequentialVnni<2>(x, w, r, out);
   }
   for (; r + kRowTile <= r1; r += kRowTile) RowTileVnni<kRowTile>(x, w, r, out);
   for (; r < r1; ++r) RowTileVnni<1>(x, w, r, out);
