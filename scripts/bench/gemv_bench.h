@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -91,7 +92,10 @@ inline std::vector<int> SplitInts(const std::string& s) {
 // uses the best measurement of the run.
 class ReadBound {
  public:
-  explicit ReadBound(size_t bytes) : bytes_(bytes), buffer_(RandomBf16(1, bytes / 2, 4242)) {}
+  explicit ReadBound(size_t bytes) : ReadBound(RandomBf16(1, bytes / 2, 4242)) {}
+  // Measures over `buffer` (shared, e.g. by bounds for several thread counts).
+  explicit ReadBound(at::Tensor buffer)
+      : bytes_(static_cast<size_t>(buffer.nbytes())), buffer_(std::move(buffer)) {}
   void Measure(int threads) {
     seen_.push_back(vlm::MeasureReadBandwidth(buffer_.data_ptr(), bytes_, threads));
   }
