@@ -2,7 +2,8 @@
 // y[b, n] = scale[n] · Σ_blocks d[b, blk] · Σ_{k in blk} xq[b, k]·q[n, k].
 //
 // Activations are quantized per block of 32 (like llama.cpp's Q8_0):
-// d = max|x_blk| / 127, xq = round(x / d). Per-block rather than per-row
+// d = max|x_blk| / 127, xq = round(x·(1/d)) (both paths compute it alike,
+// vectorized on the VNNI path). Per-block rather than per-row
 // scales because a decoder's hidden state has a few outlier channels (tens of
 // times the rest); one scale per row would spend the 8 bits on them and round
 // every other channel of the row coarsely (gemv_int8_test measures both).

@@ -27,8 +27,12 @@ struct Job {
   int64_t tasks = 0;
   int64_t grain = 1;
   int parts = 0;
-  std::unique_ptr<Part[]> part;  // part[i] counts chunks of `grain` tasks
+  Part* part = nullptr;  // part[i] counts chunks of `grain` tasks
 };
+
+// Parts for up to this many threads live on the caller's stack (no heap
+// allocation per call: decode makes ~200 calls per token).
+constexpr int kInlineParts = 8;
 
 void Participate(Job& job, int first) {
   t_in_region = true;
@@ -144,7 +148,14 @@ void ParallelFor(int64_t tasks, int threads, int64_t grain,
   job.tasks = tasks;
   job.grain = grain;
   job.parts = threads;
-  job.part.reset(new Part[threads]);
+  Part inline_parts[kInlineParts];
+  std::unique_ptr<Part[]> heap_parts;
+  if (threads <= kInlineParts) {
+    job.part = inline_parts;
+  } else {
+    heap_parts.reset(new Part[threads]);
+    job.part = heap_parts.get();
+  }
   for (int t = 0; t < threads; ++t) {
     job.part[t].next = chunks * t / threads;
     job.part[t].end = chunks * (t + 1) / threads;

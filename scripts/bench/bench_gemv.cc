@@ -8,38 +8,34 @@
 // thread count side by side (plus a bandwidth pass), so load from other
 // processes hits them alike; the tables print medians.
 //
-// Usage: vlm-bench-gemv [--layers 28] [--reps 7] [--threads 1,2]
+// Usage: vlm-bench-gemv [--layers 28] [--reps 7] [--threads 1,2] [--batches 1]
 //                       [--impls torch,avx512bf16,avx512bf16-fused,avx512,avx2,scalar]
-#include <algorithm>
+// --batches: tokens per step (x is [B, in]), e.g. 1,4,8.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <fstream>
 #include <map>
-#include <sstream>
+#include <tuple>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "common/omp_wait_policy.h"
+#include "scripts/bench/gemv_bench.h"
 #include "services/language/gemv.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct Shape {
-  const char* name;
-  int64_t out, in;
-};
-// One Qwen3 decoder layer, in call order, and the tied LM head.
-const Shape kLayerShapes[] = {{"q", 2048, 2048},    {"k", 1024, 2048},  {"v", 1024, 2048},
-                              {"o", 2048, 2048},    {"gate", 6144, 2048}, {"up", 6144, 2048},
-                              {"down", 2048, 6144}};
-const Shape kHead = {"lm_head", 151936, 2048};
-constexpr int kQ = 0, kK = 1, kV = 2, kO = 3, kGate = 4, kUp = 5, kDown = 6;
+using vlm::bench::kDown;
+using vlm::bench::kGate;
+using vlm::bench::kHead;
+using vlm::bench::kLayerShapes;
+using vlm::bench::kQ;
+using vlm::bench::Median;
+using vlm::bench::RandomBf16;
 
 struct Impl {
   std::string name;
@@ -48,63 +44,38 @@ struct Impl {
   bool fused = false;  // GemvMulti for q/k/v and gate/up
 };
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string LoadAverage() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
-// bf16 values of magnitude 2^-7..2^-3 with random sign and mantissa (normal
-// numbers only, so no path meets denormals). Touches every page.
-at::Tensor RandomBf16(int64_t rows, int64_t cols, uint64_t seed) {
-  at::Tensor t = at::empty({rows, cols}, at::kBFloat16);
-  auto* p = reinterpret_cast<uint16_t*>(t.data_ptr());
-  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
-  const int64_t n = rows * cols;
-  for (int64_t i = 0; i < n; ++i) {
-    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-    const uint16_t sign = (s >> 20) & 1, exp = 120 + (s >> 21) % 5, mant = (s >> 30) & 0x7F;
-    p[i] = static_cast<uint16_t>(sign << 15 | exp << 7 | mant);
-  }
-  return t;
-}
-
 struct Model {
   std::vector<std::vector<at::Tensor>> layers;  // [layer][kQ..kDown]
   at::Tensor head;
   int64_t step_bytes = 0;
 };
 
-// Activations: inputs of each kind and preallocated outputs.
+// Activations for B tokens: inputs of each kind and preallocated outputs.
 struct Acts {
-  at::Tensor x_hidden, x_inter;  // [1, 2048], [1, 6144] bf16
-  std::vector<at::Tensor> y;     // per layer shape, bf16
-  at::Tensor logits;             // [1, 151936] f32
+  at::Tensor x_hidden, x_inter;  // [B, 2048], [B, 6144] bf16
+  std::vector<at::Tensor> y;     // per layer shape [B, out], bf16
+  at::Tensor logits;             // [B, 151936] f32
 };
+
+Acts MakeActs(int batch) {
+  Acts a;
+  a.x_hidden = RandomBf16(batch, 2048, 1);
+  a.x_inter = RandomBf16(batch, 6144, 2);
+  for (const auto& s : kLayerShapes) a.y.push_back(at::empty({batch, s.out}, at::kBFloat16));
+  a.logits = at::empty({batch, kHead.out}, at::kFloat);
+  return a;
+}
 
 // Per-call times in microseconds, keyed by call name.
 using Times = std::map<std::string, std::vector<double>>;
 
-void Check(const absl::Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "gemv failed: %s\n", std::string(s.message()).c_str());
-    std::exit(1);
-  }
-}
+void Check(const absl::Status& s) { vlm::bench::CheckOk(s, "gemv"); }
 
 // One decode step's matrix-vector products; returns its seconds.
 double Step(const Impl& impl, const Model& m, Acts& a, Times* times) {
   vlm::GemvOptions opt;
   opt.path = impl.path;
-    auto timed = [&](const std::string& name, auto&& call) {
+  auto timed = [&](const std::string& name, auto&& call) {
     const auto t0 = Clock::now();
     call();
     times->operator[](name).push_back(
@@ -136,34 +107,29 @@ double Step(const Impl& impl, const Model& m, Acts& a, Times* times) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) out.push_back(item);
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
+  vlm::EnsureOmpWaitPolicy(argv);  // as the language service runs: see omp_wait_policy.h
   int layers = 28, reps = 7;
-  std::string threads_arg = "1,2";
+  std::string threads_arg = "1,2", batches_arg = "1";
   std::string impls_arg = "torch,avx512bf16,avx512bf16-fused,avx512,avx2,scalar";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--layers") layers = std::atoi(value.c_str());
-    else if (flag == "--reps") reps = std::atoi(value.c_str());
+    else if (flag == "--reps") reps = std::max(1, std::atoi(value.c_str()));
     else if (flag == "--threads") threads_arg = value;
+    else if (flag == "--batches") batches_arg = value;
     else if (flag == "--impls") impls_arg = value;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
     }
   }
-  std::vector<int> thread_counts;
-  for (const std::string& t : Split(threads_arg)) thread_counts.push_back(std::atoi(t.c_str()));
+  const std::vector<int> thread_counts = vlm::bench::SplitInts(threads_arg);
+  const std::vector<int> batches = vlm::bench::SplitInts(batches_arg);
   std::vector<Impl> impls;
-  for (const std::string& name : Split(impls_arg)) {
+  for (const std::string& name : vlm::bench::SplitList(impls_arg)) {
     Impl impl;
     impl.name = name;
     if (name == "torch") {
@@ -188,110 +154,107 @@ int main(int argc, char** argv) {
   }
 
   std::printf("vlm-bench-gemv: %d layers, %d reps, load average %s, best path %s\n", layers, reps,
-              LoadAverage().c_str(), vlm::GemvPathName(*vlm::ParseGemvPath("auto")));
+              vlm::bench::LoadAverage().c_str(), vlm::GemvPathName(*vlm::ParseGemvPath("auto")));
   const auto alloc_start = Clock::now();
   Model m;
   for (int l = 0; l < layers; ++l) {
     m.layers.emplace_back();
     for (int i = 0; i < 7; ++i) {
-      const Shape& s = kLayerShapes[i];
+      const auto& s = kLayerShapes[i];
       m.layers.back().push_back(RandomBf16(s.out, s.in, 100 * l + i));
       m.step_bytes += s.out * s.in * 2;
     }
   }
   m.head = RandomBf16(kHead.out, kHead.in, 99999);
   m.step_bytes += kHead.out * kHead.in * 2;
-  const size_t bw_bytes = size_t{1} << 30;
-  const at::Tensor bw_buffer = RandomBf16(1, bw_bytes / 2, 4242);
+  // One bound per thread count, over one 1 GiB buffer.
+  const at::Tensor bw_buffer = RandomBf16(1, (size_t{1} << 30) / 2, 4242);
+  std::map<int, vlm::bench::ReadBound> bounds;
+  for (int t : thread_counts) bounds.try_emplace(t, bw_buffer);
   std::printf("weights: %.2f GB per step (%.1f MB per layer), filled in %.1f s\n",
               m.step_bytes / 1e9, (m.step_bytes - kHead.out * kHead.in * 2) / 1e6 / layers,
               std::chrono::duration<double>(Clock::now() - alloc_start).count());
 
-  Acts a;
-  a.x_hidden = RandomBf16(1, 2048, 1);
-  a.x_inter = RandomBf16(1, 6144, 2);
-  for (const Shape& s : kLayerShapes) a.y.push_back(at::empty({1, s.out}, at::kBFloat16));
-  a.logits = at::empty({1, kHead.out}, at::kFloat);
+  std::map<int, Acts> acts;
+  for (int b : batches) acts.emplace(b, MakeActs(b));
 
-  // results[threads][impl]: per-call times and step seconds; bandwidth per threads.
-  std::map<int, std::map<std::string, Times>> times;
-  std::map<int, std::map<std::string, std::vector<double>>> steps;
-  std::map<int, std::vector<double>> bandwidth;
+  // Per (threads, batch, impl): per-call times and step seconds.
+  using Key = std::tuple<int, int, std::string>;
+  std::map<Key, Times> times;
+  std::map<Key, std::vector<double>> steps;
   for (int t : thread_counts) {  // warm-up: thread pools, oneDNN primitives
     at::set_num_threads(t);
-    for (const Impl& impl : impls) {
-      Times ignored;
-      Step(impl, m, a, &ignored);
+    for (int b : batches) {
+      for (const Impl& impl : impls) {
+        Times ignored;
+        Step(impl, m, acts[b], &ignored);
+      }
     }
   }
   for (int r = 0; r < reps; ++r) {
     for (int t : thread_counts) {
       at::set_num_threads(t);
-      bandwidth[t].push_back(vlm::MeasureReadBandwidth(bw_buffer.data_ptr(), bw_bytes, t));
-      for (const Impl& impl : impls) {
-        steps[t][impl.name].push_back(Step(impl, m, a, &times[t][impl.name]));
+      bounds.at(t).Measure(t);
+      for (int b : batches) {
+        for (const Impl& impl : impls) {
+          const Key key{t, b, impl.name};
+          steps[key].push_back(Step(impl, m, acts[b], &times[key]));
+        }
       }
     }
-    std::fprintf(stderr, "rep %d/%d done, load average %s\n", r + 1, reps, LoadAverage().c_str());
+    std::fprintf(stderr, "rep %d/%d done, load average %s\n", r + 1, reps,
+                 vlm::bench::LoadAverage().c_str());
   }
 
-  // The bound is the best read bandwidth seen in the run (each rep measures
-  // it once per thread count, best of two read orders).
-  std::map<int, double> bound;
-  for (int t : thread_counts) {
-    bound[t] = *std::max_element(bandwidth[t].begin(), bandwidth[t].end());
-  }
   std::printf("\nRead bandwidth (1 GiB, sum of 64-bit words; bound = best over reps):\n");
   for (int t : thread_counts) {
-    std::vector<double>& b = bandwidth[t];
-    std::printf("  %d thread(s): bound %.1f GB/s (median %.1f)\n", t, bound[t] / 1e9,
-                Median(b) / 1e9);
+    std::printf("  %d thread(s): bound %.1f GB/s (median %.1f)\n", t, bounds.at(t).best() / 1e9,
+                bounds.at(t).median() / 1e9);
   }
 
   std::printf("\nPer call (median over %d layers x %d reps; lm_head over %d reps); ratio = time / "
               "(weight bytes / read bandwidth)\n",
               layers, reps, reps);
-  std::printf("%-8s %-16s %8s %3s %10s %8s %7s %10s\n", "call", "impl", "MB", "thr", "us/call",
-              "GB/s", "ratio", "best us");
+  std::printf("%-8s %-16s %8s %3s %3s %10s %8s %7s %10s\n", "call", "impl", "MB", "thr", "B",
+              "us/call", "GB/s", "ratio", "best us");
   std::vector<std::pair<std::string, int64_t>> calls;
-  for (const Shape& s : kLayerShapes) calls.emplace_back(s.name, s.out * s.in * 2);
+  for (const auto& s : kLayerShapes) calls.emplace_back(s.name, s.out * s.in * 2);
   calls.emplace_back("q+k+v", (2048 + 1024 + 1024) * 2048 * 2);
   calls.emplace_back("gate+up", 2 * 6144 * 2048 * 2);
   calls.emplace_back(kHead.name, kHead.out * kHead.in * 2);
   for (const auto& [call, bytes] : calls) {
     for (int t : thread_counts) {
-      const double bw = bound[t];
-      for (const Impl& impl : impls) {
-        auto it = times[t][impl.name].find(call);
-        if (it == times[t][impl.name].end()) continue;
-        const double us = Median(it->second);
-        std::printf("%-8s %-16s %8.1f %3d %10.1f %8.1f %7.2f %10.1f\n", call.c_str(),
-                    impl.name.c_str(), bytes / 1e6, t, us, bytes / us / 1e3,
-                    us * 1e-6 / (bytes / bw),
-                    *std::min_element(it->second.begin(), it->second.end()));
+      const double bw = bounds.at(t).best();
+      for (int b : batches) {
+        for (const Impl& impl : impls) {
+          const Times& tm = times[Key{t, b, impl.name}];
+          auto it = tm.find(call);
+          if (it == tm.end()) continue;
+          const double us = Median(it->second);
+          std::printf("%-8s %-16s %8.1f %3d %3d %10.1f %8.1f %7.2f %10.1f\n", call.c_str(),
+                      impl.name.c_str(), bytes / 1e6, t, b, us, bytes / us / 1e3,
+                      us * 1e-6 / (bytes / bw), vlm::bench::Min(it->second));
+        }
       }
     }
   }
 
   std::printf("\nOne decode step: %d layers x 7 matrix-vector products + LM head, %.2f GB of "
-              "weights (median over %d reps)\n",
+              "weights, B tokens at once (median over %d reps)\n\n",
               layers, m.step_bytes / 1e9, reps);
-  std::printf("%-16s %3s %9s %8s %11s %11s %7s %9s\n", "impl", "thr", "ms/step", "GB/s", "tok/s",
-              "bound tok/s", "ratio", "best ms");
   for (int t : thread_counts) {
-    const double bw = bound[t];
-    const double bound_s = m.step_bytes / bw;
-    for (const Impl& impl : impls) {
-      const double s = Median(steps[t][impl.name]);
-      const std::vector<double>& all = steps[t][impl.name];
-      std::printf("%-16s %3d %9.1f %8.1f %11.2f %11.2f %7.2f %9.1f\n", impl.name.c_str(), t,
-                  s * 1e3, m.step_bytes / s / 1e9, 1 / s, 1 / bound_s, s / bound_s,
-                  *std::min_element(all.begin(), all.end()) * 1e3);
+    std::vector<vlm::bench::StepResult> rows;
+    for (int b : batches) {
+      for (const Impl& impl : impls) {
+        rows.push_back({impl.name, t, b, m.step_bytes, steps[Key{t, b, impl.name}]});
+      }
     }
+    vlm::bench::PrintStepTable(rows, bounds.at(t), impls.empty() ? "" : impls[0].name);
+    std::printf("\n");
   }
   // Fixed cost per call (thread wake-up and join, argument checks): a tiny
   // matrix called back to back.
-  std::printf("\nFixed cost per call: x[1,256] w[128,256], back to back (median of 5 x 2000 calls)\n");
+  std::printf("Fixed cost per call: x[1,256] w[128,256], back to back (median of 5 x 2000 calls)\n");
   std::printf("%-16s %3s %10s\n", "impl", "thr", "us/call");
   const at::Tensor tiny_w = RandomBf16(128, 256, 5), tiny_x = RandomBf16(1, 256, 6);
   at::Tensor tiny_y = at::empty({1, 128}, at::kBFloat16);
@@ -300,7 +263,7 @@ int main(int argc, char** argv) {
     for (const Impl& impl : impls) {
       vlm::GemvOptions opt;
       opt.path = impl.path;
-            std::vector<double> per_call;
+      std::vector<double> per_call;
       for (int r = 0; r < 5; ++r) {
         const auto t0 = Clock::now();
         for (int i = 0; i < 2000; ++i) {
@@ -313,6 +276,6 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::printf("\nload average at end: %s\n", LoadAverage().c_str());
+  std::printf("\nload average at end: %s\n", vlm::bench::LoadAverage().c_str());
   return 0;
 }

@@ -11,22 +11,19 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <memory>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <thread>
 #include <vector>
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/kernels/thread_pool.h"
 
 namespace vlm {
 namespace {
@@ -404,134 +401,24 @@ void RunRows(RowsKernel kernel, const Input& in, const std::vector<Matrix>& mats
   }
 }
 
-// A job for the pool: the row blocks are cut into one contiguous part per
-// participant; each drains its own part front to back, then helps with the
-// others' parts, so a participant that is late (descheduled) only loses its
-// share of the work instead of stalling the call.
-struct alignas(64) Part {
-  std::atomic<int64_t> next{0};
-  int64_t end = 0;
-};
-
-struct Job {
-  RowsKernel kernel = nullptr;
-  const Input* in = nullptr;
-  const std::vector<Matrix>* mats = nullptr;
-  int64_t total = 0;
-  int parts = 0;
-  std::unique_ptr<Part[]> part;
-};
-
-void Participate(Job& job, int first) {
-  for (int i = 0; i < job.parts; ++i) {
-    Part& p = job.part[(first + i) % job.parts];
-    for (;;) {
-      const int64_t b = p.next.fetch_add(1, std::memory_order_relaxed);
-      if (b >= p.end) break;
-      RunRows(job.kernel, *job.in, *job.mats, b * kBlockRows,
-              std::min(job.total, (b + 1) * kBlockRows));
-    }
-  }
-}
-
-// Process-wide workers that spin for a while after each job (decode calls
-// come back to back) and then sleep. The caller is participant 0 and never
-// waits for a worker that has not joined: joining and closing go through one
-// atomic word (closed bit | number of workers inside the job).
-class WorkerPool {
- public:
-  static WorkerPool& Instance() {
-    static WorkerPool* pool = new WorkerPool;  // workers live as long as the process
-    return *pool;
-  }
-
-  void Run(Job& job, int threads) {
-    std::unique_lock<std::mutex> lock(run_mu_, std::try_to_lock);
-    if (!lock.owns_lock()) {  // another thread's job is running: do this one alone
-      Participate(job, 0);
-      return;
-    }
-    while (static_cast<int>(workers_) < threads - 1) {
-      std::thread(&WorkerPool::WorkerLoop, this, static_cast<int>(workers_++)).detach();
-    }
-    wanted_.store(threads - 1, std::memory_order_relaxed);
-    job_.store(&job, std::memory_order_relaxed);
-    state_.store(0, std::memory_order_release);  // open, nobody inside
-    generation_.fetch_add(1, std::memory_order_release);
-    {
-      std::lock_guard<std::mutex> sleep_lock(sleep_mu_);
-      if (sleepers_ > 0) sleep_cv_.notify_all();
-    }
-    Participate(job, 0);
-    state_.fetch_or(kClosed, std::memory_order_acq_rel);
-    while ((state_.load(std::memory_order_acquire) & ~kClosed) != 0) _mm_pause();
-  }
-
- private:
-  static constexpr int64_t kClosed = int64_t{1} << 40;
-  static constexpr auto kSpin = std::chrono::microseconds(1000);
-
-  void WorkerLoop(int id) {
-    uint64_t seen = generation_.load(std::memory_order_acquire);
-    for (;;) {
-      auto spin_start = std::chrono::steady_clock::now();
-      uint64_t g;
-      for (int spins = 1; (g = generation_.load(std::memory_order_acquire)) == seen; ++spins) {
-        _mm_pause();
-        if (spins % 256 == 0 && std::chrono::steady_clock::now() - spin_start > kSpin) {
-          std::unique_lock<std::mutex> sleep_lock(sleep_mu_);
-          ++sleepers_;
-          sleep_cv_.wait(sleep_lock,
-                         [&] { return generation_.load(std::memory_order_acquire) != seen; });
-          --sleepers_;
-          spin_start = std::chrono::steady_clock::now();
-        }
-      }
-      seen = g;
-      if (id >= wanted_.load(std::memory_order_relaxed)) continue;
-      int64_t s = state_.load(std::memory_order_acquire);
-      bool joined = false;
-      while (!joined && (s & kClosed) == 0) {
-        joined = state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel);
-      }
-      if (!joined) continue;
-      Participate(*job_.load(std::memory_order_relaxed), id + 1);
-      state_.fetch_sub(1, std::memory_order_release);
-    }
-  }
-
-  std::mutex run_mu_;  // one job at a time; guards workers_
-  size_t workers_ = 0;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> state_{kClosed};
-  std::atomic<Job*> job_{nullptr};
-  std::atomic<int> wanted_{0};
-  std::mutex sleep_mu_;
-  std::condition_variable sleep_cv_;
-  int sleepers_ = 0;  // guarded by sleep_mu_
-};
-
+// Row blocks go to the kernels' process-wide pool (common/kernels/thread_pool.h):
+// one contiguous part per participant, each drained front to back, then
+// helping with the others', so a descheduled worker costs its share of time,
+// not a stall.
 void RunParallel(RowsKernel kernel, const Input& in, const std::vector<Matrix>& mats) {
   int64_t total = 0;
   for (const Matrix& m : mats) total += m.rows;
   const int64_t blocks = (total + kBlockRows - 1) / kBlockRows;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
-  if (threads <= 1 || at::in_parallel_region()) {
-    RunRows(kernel, in, mats, 0, total);
-    return;
-  }
-  Job job;
-  job.kernel = kernel;
-  job.in = &in;
-  job.mats = &mats;
-  job.total = total;
-  job.parts = threads;
-  job.part.reset(new Part[threads]);
-  for (int t = 0; t < threads; ++t) {
-    job.part[t].next = blocks * t / threads;
-    job.part[t].end = blocks * (t + 1) / threads;
-  }
-  WorkerPool::Instance().Run(job, threads);
+  struct Work {
+    RowsKernel kernel;
+    const Input* in;
+    const std::vector<Matrix>* mats;
+    int64_t total;
+  } work{kernel, &in, &mats, total};
+  // One captured pointer: fits std::function's inline storage (no allocation per call).
+  kernels::ParallelFor(blocks, kernels::DefaultThreads(), 1, [w = &work](int64_t b0, int64_t b1) {
+    RunRows(w->kernel, *w->in, *w->mats, b0 * kBlockRows, std::min(w->total, b1 * kBlockRows));
+  });
 }
 
 absl::Status CheckWeight(const at::Tensor& w, int64_t in, size_t index) {

@@ -9,12 +9,13 @@
 // at::matmul in f32 on the same bf16 values up to f32 summation order.
 // VLM_GEMV_PATH=avx512bf16|avx512|avx2|scalar|auto forces a path for the process.
 //
-// Threads: the output rows are split over at::get_num_threads() threads: the
-// caller plus process-wide workers that spin for about 1 ms after a call (a
-// decode step makes ~200 calls back to back) and then sleep. A call never
-// waits for a worker that has not started on it, so a descheduled worker
-// costs its share of time, not a stall. Thread-safe; concurrent calls from
-// several threads run one at a time on the workers, the others alone.
+// Threads: the output rows are split over at::get_num_threads() threads of
+// the kernels' process-wide pool (common/kernels/thread_pool.h): the caller
+// plus workers that spin for about 1 ms after a call (a decode step makes
+// ~200 calls back to back) and then sleep. A call never waits for a worker
+// that has not started on it, so a descheduled worker costs its share of
+// time, not a stall. Thread-safe; concurrent calls from several threads run
+// one at a time on the workers, the others alone.
 // x86-64 only (the scalar path is portable code, but the file includes
 // <immintrin.h>). AVX-512 BF16 treats denormal bf16 inputs as zero.
 #pragma once

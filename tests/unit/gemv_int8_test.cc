@@ -29,6 +29,16 @@ at::Tensor BlockQuantized(const at::Tensor& x, int64_t block) {
   return (q * d).view({b, kp}).narrow(1, 0, k).to(at::kDouble);
 }
 
+// The quantization step d of each element's block of `block`: [B, K] f64.
+at::Tensor BlockStep(const at::Tensor& x, int64_t block) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const int64_t b = xf.size(0), k = xf.size(1), kp = (k + block - 1) / block * block;
+  at::Tensor padded = at::zeros({b, kp});
+  padded.narrow(1, 0, k).copy_(xf);
+  const at::Tensor d = padded.view({b, kp / block, block}).abs().amax(-1, true) / 127.0f;
+  return d.expand({b, kp / block, block}).reshape({b, kp}).narrow(1, 0, k).to(at::kDouble);
+}
+
 // Per-row activation scales (the alternative not taken).
 at::Tensor RowQuantized(const at::Tensor& x) {
   const at::Tensor xf = x.to(at::kFloat);
@@ -52,7 +62,8 @@ class GemvInt8PathTest : public ::testing::TestWithParam<GemvInt8Path> {
 
 TEST_P(GemvInt8PathTest, MatchesTheQuantizedMathInFloat64) {
   for (auto [b, n, k] : {std::array<int64_t, 3>{1, 1, 1}, {1, 33, 70}, {2, 64, 64}, {3, 100, 129},
-                         {5, 17, 2048}, {8, 257, 300}, {2, 1000, 256}}) {  // the last one splits over threads
+                         {5, 17, 2048}, {8, 257, 300}, {2, 1000, 256},
+                         {1, 1000, 320}, {1, 300, 6144}}) {  // N = 1000, 300: split over threads
     const at::Tensor w = at::randn({n, k}) * 0.05;
     const at::Tensor x = at::randn({b, k});
     absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
@@ -87,16 +98,65 @@ INSTANTIATE_TEST_SUITE_P(Paths, GemvInt8PathTest,
 TEST(GemvInt8Test, PathsAgree) {
   if (!GemvInt8PathSupported(GemvInt8Path::kAvx512Vnni)) GTEST_SKIP() << "no AVX-512 VNNI";
   at::manual_seed(5);
-  const at::Tensor w = at::randn({300, 2048}) * 0.02, x = at::randn({4, 2048});
+  const at::Tensor w = at::randn({300, 2048}) * 0.02;
   absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
   ASSERT_TRUE(q.ok());
-  at::Tensor a, b;
-  GemvInt8Options o;
-  o.path = GemvInt8Path::kAvx512Vnni;
-  ASSERT_TRUE(GemvInt8(x, *q, &a, o).ok());
-  o.path = GemvInt8Path::kScalar;
-  ASSERT_TRUE(GemvInt8(x, *q, &b, o).ok());
-  EXPECT_LT(((a - b).abs() / (b.abs() + 1e-3)).max().item<float>(), 1e-4);
+  for (int64_t batch : {1, 4}) {  // the sequential-row (B = 1) and the tiled kernel
+    const at::Tensor x = at::randn({batch, 2048});
+    at::Tensor a, b;
+    GemvInt8Options o;
+    o.path = GemvInt8Path::kAvx512Vnni;
+    ASSERT_TRUE(GemvInt8(x, *q, &a, o).ok());
+    o.path = GemvInt8Path::kScalar;
+    ASSERT_TRUE(GemvInt8(x, *q, &b, o).ok());
+    EXPECT_LT(((a - b).abs() / (b.abs() + 1e-3)).max().item<float>(), 1e-4) << "B=" << batch;
+  }
+}
+
+// One-hot weight rows (w[n, k] = 1 iff k == n) make every output a single
+// product, scale·d·xq·127, with no sum to round differently: the VNNI path's
+// vector quantization of x (scales, rounding, clamping, start values for the
+// +128 offset) must then give bit-identical results to the scalar path, for
+// bf16 and f32 x, K with and without tails, and batch rows in every group size.
+TEST(GemvInt8Test, VnniQuantizesActivationsExactlyAsScalar) {
+  if (!GemvInt8PathSupported(GemvInt8Path::kAvx512Vnni)) GTEST_SKIP() << "no AVX-512 VNNI";
+  at::manual_seed(12);
+  for (int64_t k : {1, 31, 70, 129, 2048}) {
+    absl::StatusOr<QuantizedWeight> q = QuantizeInt8(at::eye(k));
+    ASSERT_TRUE(q.ok());
+    for (int64_t b : {1, 3, 4, 5, 8}) {
+      at::Tensor x = at::randn({b, k}) * at::logspace(-3, 2, k).unsqueeze(0);
+      x.select(1, k / 2).mul_(40);  // one outlier channel
+      x.select(1, 0).zero_();
+      for (at::ScalarType dt : {at::kFloat, at::kBFloat16}) {
+        at::Tensor a, s;
+        GemvInt8Options o;
+        o.path = GemvInt8Path::kAvx512Vnni;
+        ASSERT_TRUE(GemvInt8(x.to(dt), *q, &a, o).ok());
+        o.path = GemvInt8Path::kScalar;
+        ASSERT_TRUE(GemvInt8(x.to(dt), *q, &s, o).ok());
+        EXPECT_TRUE(at::equal(a, s)) << "K=" << k << " B=" << b << " " << dt;
+        // And they are the block-quantized x itself (w = I): to within one
+        // quantization step of the block where x·(1/d) and x/d round apart.
+        const at::Tensor ref = BlockQuantized(x.to(dt), 32);
+        const at::Tensor step = BlockStep(x.to(dt), 32);
+        EXPECT_TRUE(((a.to(at::kDouble) - ref).abs() <= step * 1.001).all().item<bool>())
+            << "K=" << k << " B=" << b << " " << dt;
+      }
+    }
+  }
+}
+
+TEST_P(GemvInt8PathTest, RowsOfXWithAStrideWork) {
+  const at::Tensor w = at::randn({96, 100}) * 0.05;
+  const at::Tensor wide = at::randn({3, 160});
+  const at::Tensor x = wide.narrow(1, 20, 100);  // row stride 160
+  absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+  ASSERT_TRUE(q.ok());
+  at::Tensor y, y_contiguous;
+  ASSERT_TRUE(GemvInt8(x, *q, &y, options_).ok());
+  ASSERT_TRUE(GemvInt8(x.contiguous(), *q, &y_contiguous, options_).ok());
+  EXPECT_TRUE(at::equal(y, y_contiguous));
 }
 
 // A decoder-like hidden state: unit-scale channels plus a few outliers 50x larger.

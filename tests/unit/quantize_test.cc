@@ -2,6 +2,7 @@
 #include "common/kernels/quantize.h"
 
 #include <cmath>
+#include <limits>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -45,6 +46,38 @@ TEST(QuantizeTest, ZeroRowsGetZeroScaleAndZeros) {
   EXPECT_EQ(q->value(1, 5), -127);
   EXPECT_EQ(q->row(1)[5], 1);  // stored as q + 128
   EXPECT_TRUE(at::equal(DequantizeInt8(*q), w));
+}
+
+// The stored values are exactly clamp(round-half-even(w·(1/scale)), ±127) + 128,
+// computed here with LibTorch ops in f32: for bf16 and f32 weights, K with and
+// without 16-element tails, and rows read through a stride (a transposed view).
+TEST(QuantizeTest, ValuesAreRoundedWeightTimesInverseScale) {
+  at::manual_seed(3);
+  for (int64_t k : {1, 15, 16, 100, 2048}) {
+    const at::Tensor base = at::randn({70, k}) * at::logspace(-3, 1, 70).unsqueeze(1);
+    for (const at::Tensor& w : {base, base.to(at::kBFloat16), base.t().contiguous().t()}) {
+      absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+      ASSERT_TRUE(q.ok()) << q.status();
+      const at::Tensor wf = w.to(at::kFloat);
+      const at::Tensor scale = wf.abs().amax(1, true) / 127.0f;
+      const at::Tensor inv = at::where(scale > 0, 1.0f / scale, at::zeros_like(scale));
+      const at::Tensor expected = at::clamp(at::round(wf * inv), -127, 127).to(at::kInt);
+      at::Tensor got = at::empty({q->n(), q->k()}, at::kInt);
+      for (int64_t r = 0; r < q->n(); ++r) {
+        for (int64_t i = 0; i < q->k(); ++i) got[r][i] = q->value(r, i);
+        EXPECT_EQ(q->scales()[r], scale[r][0].item<float>());
+      }
+      EXPECT_TRUE(at::equal(got, expected)) << "K=" << k << " " << w.scalar_type();
+    }
+  }
+}
+
+TEST(QuantizeTest, InfinityIsInvalidArgument) {
+  at::Tensor w = at::randn({100, 40}).to(at::kBFloat16);
+  w[77][39] = -std::numeric_limits<float>::infinity();
+  absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(q.status().message().find("row 77"), std::string::npos) << q.status();
 }
 
 TEST(QuantizeTest, BadInputIsInvalidArgument) {
