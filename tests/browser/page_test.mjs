@@ -115,17 +115,29 @@ test("upload, ask, follow up, stop; screenshots under the build tree", async () 
   await page.screenshot({ path: path.join(shots, "page.png"), fullPage: true });
 
   // A long answer, stopped: the bubble says so, no error, and the server lets go.
+  // The random model may end on its own (EOS) before Stop is pressed, so this
+  // request carries the gateway's ignore_eos extension, added on the way out.
+  await page.setRequestInterception(true);
+  page.on("request", (r) => {
+    if (r.isInterceptResolutionHandled()) return;
+    if (r.url().endsWith("/v1/chat/completions") && r.method() === "POST") {
+      r.continue({ postData: JSON.stringify({ ...JSON.parse(r.postData()), ignore_eos: true }) });
+    } else {
+      r.continue();
+    }
+  });
   await page.$eval("#max-tokens", (e) => { e.value = "8000"; });
   await page.type("#prompt", "Tell me everything.");
   await page.click("#send");
   await page.waitForFunction(() => {
     const all = document.querySelectorAll(".msg.assistant .answer");
     return all.length === 3 && all[2].textContent.length > 40;
-  }, { timeout: 60000 });
+  }, { timeout: 60000, polling: 50 });  // not rAF: it stalls in a background tab
   await page.click("#stop");
   // Interval polling: requestAnimationFrame polling stalls in a starved headless tab.
   await page.waitForFunction(() => document.body.dataset.state === "idle",
     { timeout: 60000, polling: 100 });
+  await page.screenshot({ path: path.join(shots, "page_stopped.png"), fullPage: true });
   await noErrorShown(page);
   assert.equal(await page.$$eval(".msg.assistant.stopped", (a) => a.length), 1);
   const deadline = Date.now() + 5000;
@@ -133,7 +145,6 @@ test("upload, ask, follow up, stop; screenshots under the build tree", async () 
     assert.ok(Date.now() < deadline, "stopping in the page did not cancel the generation");
     await new Promise((r) => setTimeout(r, 20));
   }
-  await page.screenshot({ path: path.join(shots, "page_stopped.png"), fullPage: true });
   assert.deepEqual(consoleErrors, []);
 });
 
