@@ -649,11 +649,17 @@ TEST(VisionServiceDiskTest, RestartServesFromDiskAndNeverServesACorruptFile) {
 TEST(VisionServiceQueueTest, FullQueueIsRefusedAndExpiredWaitersAreNeverComputed) {
   ASSERT_FALSE(TinyCheckpoint().empty()) << "VLM_TINY_CHECKPOINT is not set";
   // One worker, one waiting slot; large images keep the worker busy.
-  constexpr int64_t kBig = 1048576;  // 1024x1024: 4096 patches, about a second in the tiny ViT
-  VisionProcess p({"--encode_workers=1", "--encode_queue_size=1",
-                   "--max_pixels_limit=" + std::to_string(kBig)});
+  constexpr int64_t kBig = 1048576;  // 1024x1024: 4096 patches, ~0.4 s in the tiny ViT
+  // 1536x1536: 9216 patches, a few seconds: long enough that a waiter given a
+  // deadline of kWaiterDeadline is queued (even on a loaded machine) and expires there.
+  constexpr int64_t kHuge = 1536 * 1536;
+  const absl::Duration kWaiterDeadline = absl::Milliseconds(500);
+  // One intra-op thread: the encode takes as long on a fast idle machine as the
+  // test needs.
+  VisionProcess p({"--encode_workers=1", "--encode_queue_size=1", "--intra_op_threads=1",
+                   "--max_pixels_limit=" + std::to_string(kHuge)});
   ASSERT_TRUE(p.Start());
-  const std::string slow1 = Png(Pixels(1024, 1024, 31), 1024, 1024);
+  const std::string slow1 = Png(Pixels(1536, 1536, 31), 1536, 1536);
   const std::string slow2 = Png(Pixels(1024, 1024, 32), 1024, 1024);
   const std::string small1 = Png(Pixels(64, 64, 33), 64, 64);
   const std::string small2 = Png(Pixels(64, 64, 34), 64, 64);
@@ -668,11 +674,11 @@ TEST(VisionServiceQueueTest, FullQueueIsRefusedAndExpiredWaitersAreNeverComputed
   // 1. A waiter whose deadline passes in the queue is answered without computing.
   v1::EncodeResponse slow_response;
   auto first = std::async(std::launch::async, [&] {
-    return p.Encode(ImageRequest(slow1, kBig), &slow_response);
+    return p.Encode(ImageRequest(slow1, kHuge), &slow_response);
   });
   ASSERT_TRUE(wait_for(busy));
   v1::EncodeResponse response;
-  grpc::Status expired = p.Encode(ImageRequest(small1), &response, absl::Milliseconds(100));
+  grpc::Status expired = p.Encode(ImageRequest(small1), &response, kWaiterDeadline);
   EXPECT_EQ(expired.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << expired.error_message();
   const grpc::Status first_status = first.get();
   ASSERT_TRUE(first_status.ok()) << first_status.error_message();
