@@ -126,6 +126,10 @@ test("upload, ask, follow up, stop; screenshots under the build tree", async () 
       r.continue();
     }
   });
+  // The tiny model streams hundreds of tokens a second: the answer is delivered to the
+  // tab at a reading pace (as over a slow link), so Stop is pressed mid-answer however
+  // busy the machine is.
+  await page.emulateNetworkConditions({ download: 8 * 1024, upload: -1, latency: 0 });
   await page.$eval("#max-tokens", (e) => { e.value = "8000"; });
   await page.type("#prompt", "Tell me everything.");
   await page.click("#send");
@@ -137,6 +141,7 @@ test("upload, ask, follow up, stop; screenshots under the build tree", async () 
   // Interval polling: requestAnimationFrame polling stalls in a starved headless tab.
   await page.waitForFunction(() => document.body.dataset.state === "idle",
     { timeout: 60000, polling: 100 });
+  await page.emulateNetworkConditions(null);
   await page.screenshot({ path: path.join(shots, "page_stopped.png"), fullPage: true });
   await noErrorShown(page);
   assert.equal(await page.$$eval(".msg.assistant.stopped", (a) => a.length), 1);

@@ -199,7 +199,14 @@ async function readEvents(body, onEvent) {
   const reader = body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
+  let yielded = performance.now();
   for (;;) {
+    // A fast stream keeps reads resolved, and awaiting them never leaves the
+    // microtask queue: give the page (the Stop button, painting) a turn now and then.
+    if (performance.now() - yielded > 30) {
+      await new Promise((resolve) => setTimeout(resolve, 0));
+      yielded = performance.now();
+    }
     const { value, done } = await reader.read();
     if (done) return;
     buffer += decoder.decode(value, { stream: true });
@@ -265,7 +272,7 @@ async function send(event) {
       for (const choice of chunk.choices || []) {
         if (choice.delta && choice.delta.content) {
           text += choice.delta.content;
-          answer.textContent = text;
+          answer.append(choice.delta.content);  // a text node each: no copy of the whole
         }
       }
     });
