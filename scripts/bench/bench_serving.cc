@@ -24,7 +24,6 @@
 //   vlm-bench-serving --model_dir ~/.cache/vlm/checkpoints/2b
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
-#include <png.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,6 +50,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "services/language/gemv.h"
 #include "tests/integration/service_process.h"
+#include "tests/integration/test_png.h"
 #include "vlm/v1/gateway.grpc.pb.h"
 
 ABSL_FLAG(std::string, model_dir, "",
@@ -80,30 +80,6 @@ double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5));
   return v[i];
-}
-
-std::string Png448(int seed) {
-  const int w = 448, h = 448;
-  std::vector<uint8_t> rgb(static_cast<size_t>(w) * h * 3);
-  for (int y = 0; y < h; ++y) {
-    for (int x = 0; x < w; ++x) {
-      uint8_t* px = &rgb[(static_cast<size_t>(y) * w + x) * 3];
-      px[0] = static_cast<uint8_t>(x * 7 + seed * 31);
-      px[1] = static_cast<uint8_t>(y * 5 + seed * 17);
-      px[2] = static_cast<uint8_t>((x ^ y) * 3 + seed * 13);
-    }
-  }
-  png_image image = {};
-  image.version = PNG_IMAGE_VERSION;
-  image.width = w;
-  image.height = h;
-  image.format = PNG_FORMAT_RGB;
-  png_alloc_size_t size = 0;
-  png_image_write_to_memory(&image, nullptr, &size, 0, rgb.data(), 0, nullptr);
-  std::string out(size, '\0');
-  if (!png_image_write_to_memory(&image, out.data(), &size, 0, rgb.data(), 0, nullptr)) return "";
-  out.resize(size);
-  return out;
 }
 
 uint64_t DecodeWeightBytes(const std::string& dir) {
@@ -348,7 +324,7 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
   vlm::v1::ChatRequest chat;
   auto* first_turn = chat.add_messages();
   first_turn->set_role("user");
-  first_turn->add_content()->mutable_image()->set_data(Png448(image_seed));
+  first_turn->add_content()->mutable_image()->set_data(vlm::testing::PatternPng(448, 448, image_seed));
   first_turn->add_content()->set_text("Describe this picture.");
   chat.mutable_params()->set_max_tokens(24);
   chat.mutable_params()->set_ignore_eos(true);

@@ -13,7 +13,6 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
-#include <png.h>
 #include <signal.h>
 
 #include <atomic>
@@ -33,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "tests/integration/service_process.h"
+#include "tests/integration/test_png.h"
 #include "tests/unit/metrics_text.h"
 #include "vlm/v1/gateway.grpc.pb.h"
 #include "vlm/v1/vision.grpc.pb.h"
@@ -48,30 +48,6 @@ std::string LogDir() { return testing::TestLogDir("fault_injection_test"); }
 std::string TinyCheckpoint() {
   const char* dir = std::getenv("VLM_BINARY_DIR");
   return dir != nullptr ? std::string(dir) + "/tiny_checkpoint" : "";
-}
-
-// A deterministic RGB picture per seed, as PNG.
-std::string Png(int seed, int width = 96, int height = 64) {
-  std::vector<uint8_t> rgb(static_cast<size_t>(width) * height * 3);
-  for (int y = 0; y < height; ++y) {
-    for (int x = 0; x < width; ++x) {
-      uint8_t* px = &rgb[(static_cast<size_t>(y) * width + x) * 3];
-      px[0] = static_cast<uint8_t>(x * 7 + seed * 31);
-      px[1] = static_cast<uint8_t>(y * 5 + seed * 17);
-      px[2] = static_cast<uint8_t>((x ^ y) * 3 + seed * 13);
-    }
-  }
-  png_image image = {};
-  image.version = PNG_IMAGE_VERSION;
-  image.width = width;
-  image.height = height;
-  image.format = PNG_FORMAT_RGB;
-  png_alloc_size_t size = 0;
-  png_image_write_to_memory(&image, nullptr, &size, 0, rgb.data(), 0, nullptr);
-  std::string out(size, '\0');
-  if (!png_image_write_to_memory(&image, out.data(), &size, 0, rgb.data(), 0, nullptr)) return "";
-  out.resize(size);
-  return out;
 }
 
 v1::ChatRequest Request(const std::string& text, const std::vector<std::string>& images = {},
@@ -298,7 +274,7 @@ TEST(FaultInjectionTest, VisionReplicaKilledUnderLoadLosesNoRequest) {
       for (int i = 0; i < kPerClient; ++i) {
         // A new image every time: each request makes a real Encode call.
         v1::ChatResponse response;
-        const Outcome o = stack.Chat(Request("Hi.", {Png(1000 + c * 100 + i)}, 1),
+        const Outcome o = stack.Chat(Request("Hi.", {testing::PatternPng(96, 64, 1000 + c * 100 + i)}, 1),
                                      absl::Seconds(60), &response);
         std::lock_guard<std::mutex> lock(mu);
         outcomes.push_back(o);
@@ -348,7 +324,7 @@ TEST(FaultInjectionTest, StoppedBackendLetsDeadlinesFireAndFreesTheSlots) {
         // Vision is only called for images; each request brings a new one.
         const v1::ChatRequest request = which == "language"
                                             ? Request("Hello")
-                                            : Request("Hi.", {Png(2000 + i)});
+                                            : Request("Hi.", {testing::PatternPng(96, 64, 2000 + i)});
         outcomes[i] = stack.Chat(request, deadline);
       });
     }
@@ -368,7 +344,7 @@ TEST(FaultInjectionTest, StoppedBackendLetsDeadlinesFireAndFreesTheSlots) {
         << which;
     ASSERT_TRUE(victim.Signal(SIGCONT));
     const Outcome after = stack.Chat(which == "language" ? Request("Hello again")
-                                                         : Request("Hi.", {Png(2100)}),
+                                                         : Request("Hi.", {testing::PatternPng(96, 64, 2100)}),
                                      absl::Seconds(30));
     EXPECT_TRUE(after.status.ok()) << which << ": " << after.status.error_message();
   }
@@ -389,7 +365,7 @@ TEST(FaultInjectionTest, HungVisionReplicaIsDetectedByKeepaliveAndItsImagesFailO
   EXPECT_EQ(stack.gateway_->Health(), "SERVING");  // vision-1 is enough
   for (int i = 0; i < 8; ++i) {
     v1::ChatResponse response;
-    const Outcome o = stack.Chat(Request("Hi.", {Png(5000 + i)}, 1), absl::Seconds(10), &response);
+    const Outcome o = stack.Chat(Request("Hi.", {testing::PatternPng(96, 64, 5000 + i)}, 1), absl::Seconds(10), &response);
     EXPECT_TRUE(o.status.ok()) << o.status.error_message();
     if (o.status.ok()) {
       EXPECT_EQ(response.images(0).replica(), "vision-1");
@@ -450,7 +426,7 @@ int EncodeNewImages(ServiceProcess& vision, int first_seed, int count, int side)
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
     v1::EncodeRequest request;
-    request.set_image(Png(first_seed + i, side, side));
+    request.set_image(testing::PatternPng(side, side, first_seed + i));
     v1::EncodeResponse response;
     const grpc::Status s = stub->Encode(&ctx, request, &response);
     EXPECT_TRUE(s.ok()) << s.error_message();

@@ -7,7 +7,6 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
-#include <png.h>
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -30,6 +29,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "tests/integration/service_process.h"
+#include "tests/integration/test_png.h"
 #include "tests/unit/metrics_text.h"
 #include "vlm/v1/gateway.grpc.pb.h"
 
@@ -40,29 +40,6 @@ using json = nlohmann::json;
 using testing::ServiceProcess;
 
 constexpr char kApiKey[] = "sk-test-0123456789";
-
-std::string Png(int width, int height, int seed) {
-  std::vector<uint8_t> rgb(static_cast<size_t>(width) * height * 3);
-  for (int y = 0; y < height; ++y) {
-    for (int x = 0; x < width; ++x) {
-      uint8_t* px = &rgb[(static_cast<size_t>(y) * width + x) * 3];
-      px[0] = static_cast<uint8_t>(x * 7 + seed * 31);
-      px[1] = static_cast<uint8_t>(y * 5 + seed * 17);
-      px[2] = static_cast<uint8_t>((x ^ y) * 3 + seed * 13);
-    }
-  }
-  png_image image = {};
-  image.version = PNG_IMAGE_VERSION;
-  image.width = width;
-  image.height = height;
-  image.format = PNG_FORMAT_RGB;
-  png_alloc_size_t size = 0;
-  png_image_write_to_memory(&image, nullptr, &size, 0, rgb.data(), 0, nullptr);
-  std::string out(size, '\0');
-  if (!png_image_write_to_memory(&image, out.data(), &size, 0, rgb.data(), 0, nullptr)) return "";
-  out.resize(size);
-  return out;
-}
 
 std::string DataUrl(const std::string& png) { return "data:image/png;base64," + absl::Base64Escape(png); }
 
@@ -353,7 +330,7 @@ TEST_F(OpenAiHttpTest, CurlSeesSseFramingRoleDeltasFinishUsageAndDone) {
 }
 
 TEST_F(OpenAiHttpTest, ImageDataUrlIsEncodedOnceThenServedFromTheCache) {
-  const std::string png = Png(96, 64, 7);
+  const std::string png = testing::PatternPng(96, 64, 7);
   json body = ChatBody("", 3);
   body["messages"][0]["content"] = json::array(
       {{{"type", "image_url"}, {"image_url", {{"url", DataUrl(png)}, {"detail", "high"}}}},
@@ -665,7 +642,7 @@ TEST_F(OpenAiHttpExtraTest, DeadlineIs504) {
 }
 
 TEST_F(OpenAiHttpExtraTest, RemoteImagesAreFetchedWhenAllowedWithinLimits) {
-  const std::string png = Png(96, 64, 11);
+  const std::string png = testing::PatternPng(96, 64, 11);
   httplib::Server images;
   images.Get("/cat.png", [&](const httplib::Request&, httplib::Response& res) {
     res.set_content(png, "image/png");
