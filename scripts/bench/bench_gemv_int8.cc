@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   const vlm::GemvPath bf16_path = vlm::DefaultGemvPath();
   std::printf("vlm-bench-gemv-int8: %d layers, %d reps, %d threads, load average %s\n", layers,
               reps, threads, vlm::bench::LoadAverage().c_str());
-  std::printf("bf16: vlm::Gemv %s; int8: GemvInt8 %s (activations per block of 32)\n",
+  std::printf("bf16: vlm::Gemv %s; int8: GemvInt8 %s (weights int8 and activations int16 per group of 32)\n",
               vlm::GemvPathName(bf16_path), vlm::kernels::GemvInt8PathName(int8_path));
 
   const auto t0 = Clock::now();

@@ -44,11 +44,12 @@ void Check(const absl::Status& s) { TORCH_CHECK(s.ok(), "kernel: ", s.ToString()
 // independent, so any grouping gives the same row results.
 constexpr int64_t kInt8Rows = 8;
 
-// y = x·wᵀ over int8 weights, in groups of kInt8Rows rows. x: [R, K] bf16,
-// y: [R, N] (allocated bf16 when undefined).
-at::Tensor Int8Rows(const at::Tensor& x, const kernels::QuantizedWeight& w) {
+// y = x·wᵀ over int8 weights, in groups of kInt8Rows rows. x: [R, K] bf16 or
+// f32, y: [R, N] of `dtype`.
+at::Tensor Int8Rows(const at::Tensor& x, const kernels::QuantizedWeight& w,
+                    at::ScalarType dtype = at::kBFloat16) {
   const int64_t r = x.size(0);
-  at::Tensor y = at::empty({r, w.n()}, x.options());
+  at::Tensor y = at::empty({r, w.n()}, x.options().dtype(dtype));
   for (int64_t i = 0; i < r; i += kInt8Rows) {
     const int64_t rows = std::min(kInt8Rows, r - i);
     at::Tensor part = y.narrow(0, i, rows);
@@ -247,6 +248,13 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     layer_options.form = ProjectionForm::kInt8;
     matmul_note = absl::StrCat("int8 projections (gemv_int8/",
                                kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
+    if (options.int8_lm_head) {
+      absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(d->lm_head_);
+      if (!head.ok()) return head.status();
+      d->lm_head8_ = *std::move(head);
+      d->embedding_bytes_ += d->lm_head8_.bytes();
+      WeightBytesResidentGauge("embedding").Set(static_cast<double>(d->embedding_bytes_));
+    }
   } else if (options.matmul != MatmulPath::kTorch) {
     const kernels::GemmPath gemm = kernels::DefaultGemmPath();
     const bool blocked = gemm != kernels::GemmPath::kTorch;
@@ -288,7 +296,11 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
                                       : "at::linear")
           : "",
       ", LM head ",
-      d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear",
+      !d->lm_head8_.empty()
+          ? absl::StrCat("int8 (gemv_int8/",
+                         kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")")
+      : d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath()))
+                     : "at::linear",
       options.layers.eager_load ? ", eager" : ", lazy",
       options.layers.resident_layers > 0
           ? absl::StrCat(", at most ", options.layers.resident_layers, " layers resident")
@@ -298,7 +310,8 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
 }
 
 uint64_t Decoder::decode_weight_bytes() const {
-  return layers_->total_bytes() + lm_head_.nbytes() + final_norm_.nbytes();
+  return layers_->total_bytes() + (lm_head8_.empty() ? lm_head_.nbytes() : lm_head8_.bytes()) +
+         final_norm_.nbytes();
 }
 
 absl::StatusOr<std::unique_ptr<Sequence>> Decoder::NewSequence(int64_t capacity) const {
@@ -429,6 +442,15 @@ at::Tensor Decoder::RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) con
 
 at::Tensor Decoder::Head(const at::Tensor& hidden) const {
   // hidden: [R, hidden] (after the final norm) -> [R, vocab] float32
+  if (!lm_head8_.empty()) {
+    const int64_t r = hidden.size(0);
+    at::Tensor logits = at::empty({r, vocab_size()}, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t i = 0; i < r; i += kInt8Rows) {
+      at::Tensor y = logits.narrow(0, i, std::min(kInt8Rows, r - i));
+      Check(kernels::GemvInt8(hidden.narrow(0, i, y.size(0)), lm_head8_, &y));
+    }
+    return logits;
+  }
   if (use_gemv_) {
     const int64_t r = hidden.size(0);
     at::Tensor logits = at::empty({r, vocab_size()}, at::TensorOptions().dtype(at::kFloat));
@@ -998,7 +1020,8 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
     // --- final norm and LM head (§5.4) for the rows that want logits --------
     at::Tensor hidden =
         RowRmsNorm(x.index_select(0, at::tensor(logit_rows, long_opts)), final_norm_, eps);
-    if (use_gemv_) return Head(hidden);  // Gemv: per-row results, groups of 8 rows
+    // Gemv / GemvInt8: per-row results, groups of 8 rows.
+    if (use_gemv_ || !lm_head8_.empty()) return Head(hidden);
     return RowLinear(hidden, lm_head_).to(at::kFloat);
   } catch (const c10::Error& e) {
     return Internal("forward", e);
