@@ -6,10 +6,18 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <vector>
 
 #include <ATen/ATen.h>
 
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
 #include "absl/strings/str_cat.h"
+#include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
 
 namespace vlm::kernels {
@@ -22,14 +30,25 @@ float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// One row (quantize.h): returns false if it holds a non-finite value.
-// amax per group, the row's amax, ratio = f16(group amax / row amax),
-// scale = row_scale·ratio, q = clamp(round-to-nearest-even(w·(1/scale)), ±127)
-// stored at StoredIndex; padding 0.
+// Natural order -> stored order (quantize.h): within each full block of 512 a
+// transpose of the 16×16 matrix of element pairs; the tail is copied as is.
+void Interleave(const int8_t* natural, int64_t kp, int8_t* stored) {
+  const int64_t full = kp / kInt8Block * kInt8Block;
+  for (int64_t s = 0; s < full; s += kInt8Block) {
+    for (int l = 0; l < 16; ++l)
+      for (int j = 0; j < 16; ++j) std::memcpy(stored + s + 32 * j + 2 * l, natural + s + 32 * l + 2 * j, 2);
+  }
+  std::memcpy(stored + full, natural + full, kp - full);
+}
+
+// One row (quantize.h) in natural order: returns false if it holds a
+// non-finite value. The row's amax, per group ratio = f16(group amax / row
+// amax), scale = row_scale·ratio, q = clamp(round-to-nearest-even(w·(1/scale)),
+// ±127); padding 0. The AVX-512 version does the same f32 operations (F16C
+// rounds to nearest even as c10::Half does), so both give identical bytes.
 template <typename T>
-bool QuantizeRow(const T* row, int64_t k, int64_t kp, int8_t* dst, float* row_scale,
-                 uint16_t* ratios) {
-  const int64_t groups = kp / kInt8Group;
+bool QuantizeRowScalar(const T* row, int64_t k, int64_t kp, int8_t* dst, float* row_scale,
+                       uint16_t* ratios) {
   float amax_row = 0;
   bool finite = true;
   for (int64_t i = 0; i < k; ++i) {
@@ -38,24 +57,72 @@ bool QuantizeRow(const T* row, int64_t k, int64_t kp, int8_t* dst, float* row_sc
     amax_row = std::max(amax_row, std::fabs(v));
   }
   if (!finite) return false;
-  float buf[kInt8Group];
   *row_scale = amax_row / 127.0f;
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < kp / kInt8Group; ++g) {
     const int64_t i0 = g * kInt8Group, i1 = std::min(k, i0 + kInt8Group);
     float amax = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      buf[i - i0] = ToF32(row, i);
-      amax = std::max(amax, std::fabs(buf[i - i0]));
-    }
-    const uint16_t ratio =
-        amax_row > 0 ? c10::Half(amax / amax_row).x : uint16_t{0};
+    for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(ToF32(row, i)));
+    const uint16_t ratio = amax_row > 0 ? c10::Half(amax / amax_row).x : uint16_t{0};
     ratios[g] = ratio;
     const float scale = *row_scale * HalfToFloat(ratio);
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     for (int64_t i = i0; i < i0 + kInt8Group; ++i) {
-      const float v = i < i1 ? std::clamp(std::nearbyint(buf[i - i0] * inv), -127.0f, 127.0f) : 0;
-      dst[StoredIndex(i, kp)] = static_cast<int8_t>(v);
+      dst[i] = i < i1 ? static_cast<int8_t>(
+                            std::clamp(std::nearbyint(ToF32(row, i) * inv), -127.0f, 127.0f))
+                      : 0;
     }
+  }
+  return true;
+}
+
+#define VLM_TARGET_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+
+// 16 elements i.. of a row as f32; lanes at or past k are zero.
+VLM_TARGET_AVX512BW inline __m512 Load16(const float* row, int64_t i, int64_t k) {
+  if (i >= k) return _mm512_setzero_ps();
+  const __mmask16 m = static_cast<__mmask16>(i + 16 <= k ? 0xFFFF : (1u << (k - i)) - 1);
+  return _mm512_maskz_loadu_ps(m, row + i);
+}
+VLM_TARGET_AVX512BW inline __m512 Load16(const c10::BFloat16* row, int64_t i, int64_t k) {
+  if (i >= k) return _mm512_setzero_ps();
+  const __mmask16 m = static_cast<__mmask16>(i + 16 <= k ? 0xFFFF : (1u << (k - i)) - 1);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, row + i);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+VLM_TARGET_AVX512BW inline __m128i Round16(__m512 v, __m512 inv) {
+  const __m512i lim = _mm512_set1_epi32(127), neg_lim = _mm512_set1_epi32(-127);
+  // VCVTPS2DQ rounds to nearest even (the default mode), as nearbyint does.
+  const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+  return _mm512_cvtepi32_epi8(_mm512_max_epi32(_mm512_min_epi32(r, lim), neg_lim));
+}
+
+template <typename T>
+VLM_TARGET_AVX512BW bool QuantizeRowAvx512(const T* row, int64_t k, int64_t kp, int8_t* dst,
+                                           float* row_scale, uint16_t* ratios) {
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 amax_v = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m512 a = _mm512_abs_ps(Load16(row, i, k));
+    bad |= _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ);  // |v| >= inf or NaN
+    amax_v = _mm512_max_ps(amax_v, a);
+  }
+  if (bad != 0) return false;
+  const float amax_row = _mm512_reduce_max_ps(amax_v);
+  *row_scale = amax_row / 127.0f;
+  for (int64_t g = 0; g < kp / kInt8Group; ++g) {
+    const int64_t i0 = g * kInt8Group;
+    const __m512 lo = Load16(row, i0, k), hi = Load16(row, i0 + 16, k);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const uint16_t ratio =
+        amax_row > 0 ? static_cast<uint16_t>(_cvtss_sh(amax / amax_row, _MM_FROUND_TO_NEAREST_INT))
+                     : uint16_t{0};
+    ratios[g] = ratio;
+    const float scale = *row_scale * _cvtsh_ss(ratio);
+    const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i0), Round16(lo, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i0 + 16), Round16(hi, inv));
   }
   return true;
 }
@@ -65,11 +132,18 @@ int64_t QuantizeRows(const T* src, int64_t ld, QuantizedWeight* q, int8_t* data,
                      uint16_t* ratios) {
   const int64_t n = q->n(), k = q->k(), kp = q->k_padded(), groups = q->groups();
   std::atomic<int64_t> bad_row{-1};
+  const CpuFeatures& f = GetCpuFeatures();
+  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl;
   ParallelFor(n, 0, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<int8_t> natural(kp);
     for (int64_t r = r0; r < r1; ++r) {
-      if (!QuantizeRow(src + r * ld, k, kp, data + r * kp, scales + r, ratios + r * groups)) {
-        bad_row.store(r);
-      }
+      const bool ok =
+          avx512 ? QuantizeRowAvx512(src + r * ld, k, kp, natural.data(), scales + r,
+                                     ratios + r * groups)
+                 : QuantizeRowScalar(src + r * ld, k, kp, natural.data(), scales + r,
+                                     ratios + r * groups);
+      if (!ok) bad_row.store(r);
+      else Interleave(natural.data(), kp, data + r * kp);
     }
   });
   return bad_row.load();
