@@ -23,25 +23,34 @@ namespace vlm::kernels {
 namespace {
 
 constexpr int64_t kGroup = kInt8Group;  // elements per scale (weights and activations)
-constexpr int64_t kBlock = kInt8Block;  // interleaved block: 16 groups, one per VPDPWSSD lane
-constexpr float kXLimit = 32767.0f;
+constexpr int64_t kBlock = kInt8Block;  // interleaved block: 16 groups, one per VPDPBUSD lane
+// |xq| ≤ 32639 = 127·256 + 127, so xq = 256·hi + lo with hi, lo both int8.
+constexpr float kXLimit = 32639.0f;
 
 // x quantized to int16 per group of 32, in buffers reused by the calling
-// thread from call to call: q [B][k_padded] in the weights' stored order
-// (quantize.h StoredIndex; zero past K), d [B][groups] f32.
+// thread from call to call: q [B][k_padded] natural order (zero past K),
+// d [B][groups] f32; for the VNNI path xq = 256·hi + lo split into int8 hi and
+// lo (lo = the low byte as signed) [B][k_padded] in the weights' stored order
+// (quantize.h StoredIndex), and bias [B][groups] = -128·Σ_group xq, which
+// cancels the +128 of the stored weights.
 struct QuantizedX {
   int64_t batch = 0, k_padded = 0, groups = 0;
   std::vector<int16_t> q;
   std::vector<float> d;
-  std::vector<int16_t> natural;  // one group-quantized row before interleaving
+  std::vector<int8_t> hi, lo;
+  std::vector<int32_t> bias;
 
-  void Resize(int64_t b, int64_t kp) {
+  void Resize(int64_t b, int64_t kp, bool vnni) {
     batch = b;
     k_padded = kp;
     groups = kp / kGroup;
     q.resize(b * kp);
     d.resize(b * groups);
-    natural.resize(kp);
+    if (vnni) {
+      hi.resize(b * kp);
+      lo.resize(b * kp);
+      bias.resize(b * groups);
+    }
   }
 };
 
@@ -52,8 +61,8 @@ float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Groups of one row: d = max|x| / 32767, q = round-to-nearest-even(x·(1/d)),
-// clamped to ±32767, in natural order. The VNNI path's vector version below
+// Groups of one row: d = max|x| / 32639, q = round-to-nearest-even(x·(1/d)),
+// clamped to ±32639, in natural order. The VNNI path's vector version below
 // computes the same f32 operations, so both paths see identical q and d.
 template <typename T>
 void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int16_t* q, float* d) {
@@ -72,19 +81,6 @@ void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int16_t* q, float* d
   }
 }
 
-// Natural order -> stored order (quantize.h): within each full block of 512 a
-// transpose of the 16×16 matrix of element pairs; the tail is copied as is.
-void Interleave(const int16_t* natural, int64_t kp, int16_t* stored) {
-  const int64_t full = kp / kBlock * kBlock;
-  for (int64_t s = 0; s < full; s += kBlock) {
-    const int32_t* src = reinterpret_cast<const int32_t*>(natural + s);
-    int32_t* dst = reinterpret_cast<int32_t*>(stored + s);
-    for (int l = 0; l < 16; ++l)
-      for (int j = 0; j < 16; ++j) dst[16 * j + l] = src[16 * l + j];
-  }
-  std::memcpy(stored + full, natural + full, (kp - full) * sizeof(int16_t));
-}
-
 #define VLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // 16 elements i0.. of a row as f32; lanes at or past k are zero.
@@ -101,26 +97,47 @@ VLM_TARGET_VNNI inline __m512 Load16(const c10::BFloat16* src, int64_t i0, int64
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// round(v·inv) clamped to ±32767 as int16; VCVTPS2DQ rounds to nearest even
+// round(v·inv) clamped to ±32639 as int16; VCVTPS2DQ rounds to nearest even
 // (the default MXCSR mode), as std::nearbyint does.
 VLM_TARGET_VNNI inline __m256i Quantize16(__m512 v, __m512 inv, __m512i lim, __m512i neg_lim) {
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
   return _mm512_cvtepi32_epi16(_mm512_max_epi32(_mm512_min_epi32(r, lim), neg_lim));
 }
 
+// The same q and d as QuantizeRowScalar (natural order), and for the kernel
+// hi, lo written straight to their stored positions (group l of a full block:
+// its quad j to quad slot 16·j + l; tail groups in order) and bias per group.
 template <typename T>
-VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int16_t* q, float* d) {
-  const __m512i lim = _mm512_set1_epi32(32767), neg_lim = _mm512_set1_epi32(-32767);
+VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int16_t* q, float* d,
+                                     int8_t* hi, int8_t* lo, int32_t* bias) {
+  const __m512i lim = _mm512_set1_epi32(32639), neg_lim = _mm512_set1_epi32(-32639);
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m256i quad_slots = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  const int64_t full_groups = kp / kBlock * kBlock / kGroup;
   for (int64_t g = 0; g < kp / kGroup; ++g) {
     const int64_t k0 = g * kGroup;
-    const __m512 lo = Load16(src, k0, k), hi = Load16(src, k0 + 16, k);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 vlo = Load16(src, k0, k), vhi = Load16(src, k0 + 16, k);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(vlo), _mm512_abs_ps(vhi)));
     const float scale = amax / kXLimit;
     const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), Quantize16(lo, inv, lim, neg_lim));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0 + 16),
-                        Quantize16(hi, inv, lim, neg_lim));
+    const __m512i xq = _mm512_inserti64x4(
+        _mm512_castsi256_si512(Quantize16(vlo, inv, lim, neg_lim)), Quantize16(vhi, inv, lim, neg_lim),
+        1);  // 32 int16
+    _mm512_storeu_si512(q + k0, xq);
     d[g] = scale;
+    // lo = the low byte as signed, hi = (xq - lo) / 256.
+    const __m512i lo16 = _mm512_srai_epi16(_mm512_slli_epi16(xq, 8), 8);
+    const __m256i lo8 = _mm512_cvtepi16_epi8(lo16);
+    const __m256i hi8 = _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_sub_epi16(xq, lo16), 8));
+    bias[g] = -128 * _mm512_reduce_add_epi32(_mm512_madd_epi16(xq, ones));
+    if (g < full_groups) {
+      const int64_t base = g / 16 * kBlock + 4 * (g % 16);  // quad 0 of group g % 16
+      _mm256_i32scatter_epi32(lo + base, quad_slots, lo8, 4);
+      _mm256_i32scatter_epi32(hi + base, quad_slots, hi8, 4);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + k0), lo8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + k0), hi8);
+    }
   }
 }
 
@@ -129,14 +146,18 @@ void QuantizeXTyped(const T* src, int64_t ld, int64_t k, bool vnni, QuantizedX* 
   const int64_t kp = out->k_padded;
   for (int64_t b = 0; b < out->batch; ++b) {
     float* d = out->d.data() + b * out->groups;
-    if (vnni) QuantizeRowVnni(src + b * ld, k, kp, out->natural.data(), d);
-    else QuantizeRowScalar(src + b * ld, k, kp, out->natural.data(), d);
-    Interleave(out->natural.data(), kp, out->q.data() + b * kp);
+    int16_t* q = out->q.data() + b * kp;
+    if (vnni) {
+      QuantizeRowVnni(src + b * ld, k, kp, q, d, out->hi.data() + b * kp,
+                      out->lo.data() + b * kp, out->bias.data() + b * out->groups);
+    } else {
+      QuantizeRowScalar(src + b * ld, k, kp, q, d);
+    }
   }
 }
 
 void QuantizeX(const at::Tensor& x, int64_t k_padded, bool vnni, QuantizedX* out) {
-  out->Resize(x.size(0), k_padded);
+  out->Resize(x.size(0), k_padded, vnni);
   const int64_t ld = x.size(0) > 1 ? x.stride(0) : x.size(1);
   if (x.scalar_type() == at::kBFloat16) {
     QuantizeXTyped(x.data_ptr<c10::BFloat16>(), ld, x.size(1), vnni, out);
@@ -162,7 +183,7 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
                 int64_t r1) {
   const int64_t kp = x.k_padded;
   for (int64_t r = r0; r < r1; ++r) {
-    const int8_t* wr = w.row(r);
+    const uint8_t* wr = w.row(r);
     const uint16_t* ratios = w.ratios() + r * x.groups;
     for (int64_t b = 0; b < x.batch; ++b) {
       const int16_t* xr = x.q.data() + b * kp;
@@ -170,8 +191,7 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
       for (int64_t g = 0; g < x.groups; ++g) {
         int32_t isum = 0;
         for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
-          const int64_t at = StoredIndex(i, kp);
-          isum += int32_t{xr[at]} * int32_t{wr[at]};
+          isum += int32_t{xr[i]} * (int32_t{wr[StoredIndex(i, kp)]} - 128);
         }
         sum += HalfToFloat(ratios[g]) * x.d[b * x.groups + g] * static_cast<float>(isum);
       }
@@ -181,93 +201,121 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
 }
 
 // --- avx512vnni ----------------------------------------------------------------
-// One weight row at a time, front to back (one sequential stream per thread,
-// the hardware prefetchers' best case), for up to 8 batch rows. Per 32 weights:
-// one VPMOVSXBW to int16, then per batch row one VPDPWSSD with the row's int16
-// x. In a full block lane l sums group l of the block (the interleaved
-// layout), so the integer sums stay in int32 for 16 instructions and the block
-// costs one convert, one scale product (16 f16 ratios · 16 d) and one FMA per
-// batch row. Integer sums are exact (|Σ| ≤ 32·32767·127 < 2^31 per lane), so
-// splitting them over A accumulators (latency hiding for small batches)
-// changes nothing: every batch row gets the same f32 operations whatever the
-// batch, which keeps decode rows batch-invariant bit for bit.
+// A tile of R weight rows × NB batch rows (NB ≤ 4; larger batches in groups
+// of 4 while the tile's rows stay in L1), the rows read front to back. Per 64
+// stored weights (q + 128, u8) and batch row: VPDPBUSD with the int8 hi and
+// with the int8 lo parts of xq. In a full block lane l sums group l of the
+// block (the interleaved layout), so the integer sums stay in int32 for 8
+// instructions, and the block costs (hi << 8) + lo + bias, one convert, one
+// scale product (16 f16 ratios · 16 d) and one FMA per (row, batch row).
+// Integer sums are exact (per lane |Σ (q+128)·xq| ≤ 32·255·32639 < 2^31), so
+// splitting them over A accumulators (latency hiding for small tiles) changes
+// nothing: every (row, batch row) gets the same f32 operations whatever the
+// tile and batch, which keeps decode rows batch-invariant bit for bit. Tail
+// groups (after the last full block) are summed in scalar integers.
 constexpr int64_t kSeqPrefetch = 512;
 
-VLM_TARGET_VNNI inline __m512i Widen(const int8_t* p) {
-  return _mm512_cvtepi8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
+template <int R, int NB>
+VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWeight& w,
+                              int64_t r0, const Output& out) {
+  constexpr int A = R * NB >= 2 ? 1 : 2;  // partial sums per (row, batch row) and part
+  const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
+  const int8_t* xh = x.hi.data() + b0 * kp;
+  const int8_t* xl = x.lo.data() + b0 * kp;
+  const int32_t* bias = x.bias.data() + b0 * groups;
+  const float* d = x.d.data() + b0 * groups;
+  __m512 facc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < full; s += kBlock) {
+    __m512i ah[R][NB][A], al[R][NB][A];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b)
+        for (int a = 0; a < A; ++a) ah[r][b][a] = al[r][b][a] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* wp = w.row(r0 + r) + s + j * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kSeqPrefetch), _MM_HINT_T0);
+        wv[r] = _mm512_loadu_si512(wp);  // rows are 32-byte aligned only
+      }
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) {
+        const __m512i hv = _mm512_loadu_si512(xh + b * kp + s + j * 64);
+        const __m512i lv = _mm512_loadu_si512(xl + b * kp + s + j * 64);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          ah[r][b][j % A] = _mm512_dpbusd_epi32(ah[r][b][j % A], wv[r], hv);
+          al[r][b][j % A] = _mm512_dpbusd_epi32(al[r][b][j % A], wv[r], lv);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 ratio = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w.ratios() + (r0 + r) * groups + s / kGroup)));
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) {
+        __m512i h = ah[r][b][0], l = al[r][b][0];
+        for (int a = 1; a < A; ++a) {
+          h = _mm512_add_epi32(h, ah[r][b][a]);
+          l = _mm512_add_epi32(l, al[r][b][a]);
+        }
+        const __m512i isum = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(h, 8), l),
+            _mm512_loadu_si512(bias + b * groups + s / kGroup));
+        const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(d + b * groups + s / kGroup));
+        facc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, facc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* wr = w.row(r0 + r);
+    for (int b = 0; b < NB; ++b) {
+      const int16_t* xr = x.q.data() + (b0 + b) * kp;
+      float tail = 0;
+      for (int64_t g = full / kGroup; g < groups; ++g) {  // natural-order tail groups
+        int32_t isum = 0;
+        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
+          isum += int32_t{xr[i]} * (int32_t{wr[i]} - 128);
+        }
+        tail += HalfToFloat(w.ratios()[(r0 + r) * groups + g]) * d[b * groups + g] *
+                static_cast<float>(isum);
+      }
+      out.Store(b0 + b, r0 + r,
+                w.row_scales()[r0 + r] * (_mm512_reduce_add_ps(facc[r][b]) + tail));
+    }
+  }
 }
 
-template <int NB>
-VLM_TARGET_VNNI void RowVnni(const QuantizedX& x, int64_t b0, const QuantizedWeight& w,
-                             int64_t r, const Output& out) {
-  constexpr int A = NB >= 4 ? 1 : (4 + NB - 1) / NB;  // int32 partial sums per batch row
-  const int64_t kp = x.k_padded, full = kp / kBlock * kBlock;
-  const int8_t* wp = w.row(r);
-  const uint16_t* ratios = w.ratios() + r * x.groups;
-  const int16_t* xq = x.q.data() + b0 * kp;
-  const float* d = x.d.data() + b0 * x.groups;
-  __m512 facc[NB];
-  for (int b = 0; b < NB; ++b) facc[b] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < full; s += kBlock) {
-    __m512i acc[NB][A];
-    for (int b = 0; b < NB; ++b)
-      for (int a = 0; a < A; ++a) acc[b][a] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) {
-      if (j % 2 == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp + s + j * kGroup + kSeqPrefetch),
-                     _MM_HINT_T0);
-      }
-      const __m512i wv = Widen(wp + s + j * kGroup);
-#pragma GCC unroll 8
-      for (int b = 0; b < NB; ++b) {
-        acc[b][j % A] = _mm512_dpwssd_epi32(
-            acc[b][j % A], _mm512_loadu_si512(xq + b * kp + s + j * kGroup), wv);
-      }
+// Rows [r0, r0 + R) for every batch row, in groups of up to 4 batch rows.
+template <int R>
+VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const QuantizedWeight& w, int64_t r0,
+                                 const Output& out) {
+  for (int64_t b0 = 0; b0 < x.batch; b0 += 4) {
+    switch (std::min<int64_t>(4, x.batch - b0)) {
+      case 1: TileVnni<R, 1>(x, b0, w, r0, out); break;
+      case 2: TileVnni<R, 2>(x, b0, w, r0, out); break;
+      case 3: TileVnni<R, 3>(x, b0, w, r0, out); break;
+      default: TileVnni<R, 4>(x, b0, w, r0, out); break;
     }
-    const __m512 ratio = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ratios + s / kGroup)));
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) {
-      __m512i isum = acc[b][0];
-      for (int a = 1; a < A; ++a) isum = _mm512_add_epi32(isum, acc[b][a]);
-      const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(d + b * x.groups + s / kGroup));
-      facc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, facc[b]);
-    }
-  }
-  for (int64_t g = full / kGroup; g < x.groups; ++g) {  // natural-order tail groups
-    const __m512i wv = Widen(wp + g * kGroup);
-    const float ratio = HalfToFloat(ratios[g]);
-    for (int b = 0; b < NB; ++b) {
-      const __m512i isum = _mm512_dpwssd_epi32(
-          _mm512_setzero_si512(), _mm512_loadu_si512(xq + b * kp + g * kGroup), wv);
-      facc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                _mm512_set1_ps(ratio * d[b * x.groups + g]), facc[b]);
-    }
-  }
-  for (int b = 0; b < NB; ++b) {
-    out.Store(b0 + b, r, w.row_scales()[r] * _mm512_reduce_add_ps(facc[b]));
   }
 }
 
 constexpr int64_t kRowsPerTask = 64;
 
+// B = 1: one row at a time (one sequential stream per thread, the hardware
+// prefetchers' best case; x is small and stays in L1). B >= 2: tiles of 2
+// rows, which halve the loads of x (it no longer fits L1 at B = 8, K = 6144).
 VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const QuantizedWeight& w, const Output& out,
                               int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b0 = 0; b0 < x.batch; b0 += 8) {  // a row's weights stay in L1 across groups
-      switch (std::min<int64_t>(8, x.batch - b0)) {
-        case 1: RowVnni<1>(x, b0, w, r, out); break;
-        case 2: RowVnni<2>(x, b0, w, r, out); break;
-        case 3: RowVnni<3>(x, b0, w, r, out); break;
-        case 4: RowVnni<4>(x, b0, w, r, out); break;
-        case 5: RowVnni<5>(x, b0, w, r, out); break;
-        case 6: RowVnni<6>(x, b0, w, r, out); break;
-        case 7: RowVnni<7>(x, b0, w, r, out); break;
-        default: RowVnni<8>(x, b0, w, r, out); break;
-      }
-    }
+  int64_t r = r0;
+  if (x.batch >= 2) {
+    for (; r + 2 <= r1; r += 2) RowTileVnni<2>(x, w, r, out);
   }
+  for (; r < r1; ++r) RowTileVnni<1>(x, w, r, out);
   _mm256_zeroupper();
 }
 

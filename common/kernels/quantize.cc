@@ -31,12 +31,12 @@ float HalfToFloat(uint16_t bits) {
 }
 
 // Natural order -> stored order (quantize.h): within each full block of 512 a
-// transpose of the 16×16 matrix of element pairs; the tail is copied as is.
-void Interleave(const int8_t* natural, int64_t kp, int8_t* stored) {
+// transpose of the 16 groups × 8 quads of 4 bytes; the tail is copied as is.
+void Interleave(const uint8_t* natural, int64_t kp, uint8_t* stored) {
   const int64_t full = kp / kInt8Block * kInt8Block;
   for (int64_t s = 0; s < full; s += kInt8Block) {
     for (int l = 0; l < 16; ++l)
-      for (int j = 0; j < 16; ++j) std::memcpy(stored + s + 32 * j + 2 * l, natural + s + 32 * l + 2 * j, 2);
+      for (int j = 0; j < 8; ++j) std::memcpy(stored + s + 64 * j + 4 * l, natural + s + 32 * l + 4 * j, 4);
   }
   std::memcpy(stored + full, natural + full, kp - full);
 }
@@ -44,10 +44,10 @@ void Interleave(const int8_t* natural, int64_t kp, int8_t* stored) {
 // One row (quantize.h) in natural order: returns false if it holds a
 // non-finite value. The row's amax, per group ratio = f16(group amax / row
 // amax), scale = row_scale·ratio, q = clamp(round-to-nearest-even(w·(1/scale)),
-// ±127); padding 0. The AVX-512 version does the same f32 operations (F16C
+// ±127), stored as q + 128; padding 128. The AVX-512 version does the same f32 operations (F16C
 // rounds to nearest even as c10::Half does), so both give identical bytes.
 template <typename T>
-bool QuantizeRowScalar(const T* row, int64_t k, int64_t kp, int8_t* dst, float* row_scale,
+bool QuantizeRowScalar(const T* row, int64_t k, int64_t kp, uint8_t* dst, float* row_scale,
                        uint16_t* ratios) {
   float amax_row = 0;
   bool finite = true;
@@ -67,9 +67,9 @@ bool QuantizeRowScalar(const T* row, int64_t k, int64_t kp, int8_t* dst, float* 
     const float scale = *row_scale * HalfToFloat(ratio);
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     for (int64_t i = i0; i < i0 + kInt8Group; ++i) {
-      dst[i] = i < i1 ? static_cast<int8_t>(
-                            std::clamp(std::nearbyint(ToF32(row, i) * inv), -127.0f, 127.0f))
-                      : 0;
+      const float q =
+          i < i1 ? std::clamp(std::nearbyint(ToF32(row, i) * inv), -127.0f, 127.0f) : 0.0f;
+      dst[i] = static_cast<uint8_t>(static_cast<int>(q) + 128);
     }
   }
   return true;
@@ -94,11 +94,12 @@ VLM_TARGET_AVX512BW inline __m128i Round16(__m512 v, __m512 inv) {
   const __m512i lim = _mm512_set1_epi32(127), neg_lim = _mm512_set1_epi32(-127);
   // VCVTPS2DQ rounds to nearest even (the default mode), as nearbyint does.
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-  return _mm512_cvtepi32_epi8(_mm512_max_epi32(_mm512_min_epi32(r, lim), neg_lim));
+  return _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(r, lim), neg_lim),
+                                               _mm512_set1_epi32(128)));
 }
 
 template <typename T>
-VLM_TARGET_AVX512BW bool QuantizeRowAvx512(const T* row, int64_t k, int64_t kp, int8_t* dst,
+VLM_TARGET_AVX512BW bool QuantizeRowAvx512(const T* row, int64_t k, int64_t kp, uint8_t* dst,
                                            float* row_scale, uint16_t* ratios) {
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   __m512 amax_v = _mm512_setzero_ps();
@@ -128,14 +129,14 @@ VLM_TARGET_AVX512BW bool QuantizeRowAvx512(const T* row, int64_t k, int64_t kp, 
 }
 
 template <typename T>
-int64_t QuantizeRows(const T* src, int64_t ld, QuantizedWeight* q, int8_t* data, float* scales,
+int64_t QuantizeRows(const T* src, int64_t ld, QuantizedWeight* q, uint8_t* data, float* scales,
                      uint16_t* ratios) {
   const int64_t n = q->n(), k = q->k(), kp = q->k_padded(), groups = q->groups();
   std::atomic<int64_t> bad_row{-1};
   const CpuFeatures& f = GetCpuFeatures();
   const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl;
   ParallelFor(n, 0, 64, [&](int64_t r0, int64_t r1) {
-    std::vector<int8_t> natural(kp);
+    std::vector<uint8_t> natural(kp);
     for (int64_t r = r0; r < r1; ++r) {
       const bool ok =
           avx512 ? QuantizeRowAvx512(src + r * ld, k, kp, natural.data(), scales + r,
@@ -171,9 +172,9 @@ absl::StatusOr<QuantizedWeight> QuantizeInt8(const at::Tensor& w) {
     q.k_ = wc.size(1);
     q.k_padded_ = (q.k_ + kInt8Group - 1) / kInt8Group * kInt8Group;
     const size_t bytes = static_cast<size_t>(std::max<int64_t>(64, q.n_ * q.k_padded_));
-    q.data_ = std::shared_ptr<int8_t>(
-        static_cast<int8_t*>(::operator new(bytes, std::align_val_t(64))),
-        [](int8_t* p) { ::operator delete(p, std::align_val_t(64)); });
+    q.data_ = std::shared_ptr<uint8_t>(
+        static_cast<uint8_t*>(::operator new(bytes, std::align_val_t(64))),
+        [](uint8_t* p) { ::operator delete(p, std::align_val_t(64)); });
     q.row_scales_ = std::shared_ptr<float>(new float[std::max<int64_t>(1, q.n_)],
                                            std::default_delete<float[]>());
     q.ratios_ = std::shared_ptr<uint16_t>(

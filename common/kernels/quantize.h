@@ -13,12 +13,14 @@
 // subnormals). q = clamp(round-to-nearest-even(w·(1/scale)), ±127), 0 where the
 // group is all zero.
 //
-// Layout (the order kernels::GemvInt8 reads): row-major [N, k_padded] int8,
-// k_padded = round_up(K, 32), padding q = 0, rows 32-byte aligned. Within a
-// row, each full block of 512 (16 groups) is interleaved so that 16 VPDPWSSD
-// lanes each sum one group: the element k = 512·s + 32·l + 2·j + e (group l of
-// the block, pair j, e in {0, 1}) is stored at 512·s + 32·j + 2·l + e (see
-// StoredIndex). Groups after the last full block stay in natural order.
+// Layout (the order kernels::GemvInt8 reads): row-major [N, k_padded] bytes
+// holding q + 128 (unsigned: VPDPBUSD's unsigned operand; the GEMV corrects
+// with the activations' sums), k_padded = round_up(K, 32), padding q = 0, rows
+// 32-byte aligned. Within a row, each full block of 512 (16 groups) is
+// interleaved so that the 16 lanes of a VPDPBUSD each sum one group: the
+// element k = 512·s + 32·l + 4·j + e (group l of the block, quad j, e in 0..3)
+// is stored at 512·s + 64·j + 4·l + e (see StoredIndex). Groups after the last
+// full block stay in natural order.
 // Immutable after creation; copies share the data; thread-safe to read.
 #pragma once
 
@@ -39,7 +41,7 @@ inline int64_t StoredIndex(int64_t k, int64_t k_padded) {
   const int64_t full = k_padded / kInt8Block * kInt8Block;
   if (k >= full) return k;
   const int64_t s = k / kInt8Block, l = (k % kInt8Block) / kInt8Group, w = k % kInt8Group;
-  return s * kInt8Block + (w / 2) * kInt8Group + 2 * l + (w % 2);
+  return s * kInt8Block + (w / 4) * 64 + 4 * l + (w % 4);
 }
 
 class QuantizedWeight {
@@ -49,10 +51,12 @@ class QuantizedWeight {
   int64_t k() const { return k_; }
   int64_t k_padded() const { return k_padded_; }
   int64_t groups() const { return k_padded_ / kInt8Group; }
-  // Row i as stored (layout above).
-  const int8_t* row(int64_t i) const { return data_.get() + i * k_padded_; }
+  // Row i as stored (layout above): q + 128.
+  const uint8_t* row(int64_t i) const { return data_.get() + i * k_padded_; }
   // q[r, i] in [-127, 127], i in natural order.
-  int value(int64_t r, int64_t i) const { return row(r)[StoredIndex(i, k_padded_)]; }
+  int value(int64_t r, int64_t i) const {
+    return int{row(r)[StoredIndex(i, k_padded_)]} - 128;
+  }
   const float* row_scales() const { return row_scales_.get(); }  // [N]
   // f16 bit patterns [N, groups()]: ratio of group g of row r at r·groups() + g.
   const uint16_t* ratios() const { return ratios_.get(); }
@@ -67,7 +71,7 @@ class QuantizedWeight {
 
  private:
   friend absl::StatusOr<QuantizedWeight> QuantizeInt8(const at::Tensor& w);
-  std::shared_ptr<int8_t> data_;
+  std::shared_ptr<uint8_t> data_;
   std::shared_ptr<float> row_scales_;
   std::shared_ptr<uint16_t> ratios_;
   int64_t n_ = 0, k_ = 0, k_padded_ = 0;

@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
   std::vector<vlm::kernels::QuantizedWeight> head8;
   add(head16, head8, kHead, 99999);
   vlm::bench::ReadBound bound(size_t{512} << 20);
-  std::printf("weights per step: bf16 %.2f GB, int8 %.2f GB (rows + f32 scales); filled and "
+  std::printf("weights per step: bf16 %.2f GB, int8 %.2f GB (rows + scales); filled and "
               "quantized in %.1f s\n\n",
               bytes16 / 1e9, bytes8 / 1e9,
               std::chrono::duration<double>(Clock::now() - t0).count());

@@ -17,8 +17,8 @@
 namespace vlm::kernels {
 namespace {
 
-// x quantized per block of `block` to ±limit (the kernel: 32, 32767), dequantized: [B, K] f64.
-at::Tensor BlockQuantized(const at::Tensor& x, int64_t block, double limit = 32767) {
+// x quantized per block of `block` to ±limit (the kernel: 32, 32639), dequantized: [B, K] f64.
+at::Tensor BlockQuantized(const at::Tensor& x, int64_t block, double limit = 32639) {
   const at::Tensor xf = x.to(at::kFloat);
   const int64_t b = xf.size(0), k = xf.size(1), kp = (k + block - 1) / block * block;
   at::Tensor padded = at::zeros({b, kp});
@@ -35,7 +35,7 @@ at::Tensor BlockStep(const at::Tensor& x, int64_t block) {
   const int64_t b = xf.size(0), k = xf.size(1), kp = (k + block - 1) / block * block;
   at::Tensor padded = at::zeros({b, kp});
   padded.narrow(1, 0, k).copy_(xf);
-  const at::Tensor d = padded.view({b, kp / block, block}).abs().amax(-1, true) / 32767.0f;
+  const at::Tensor d = padded.view({b, kp / block, block}).abs().amax(-1, true) / 32639.0f;
   return d.expand({b, kp / block, block}).reshape({b, kp}).narrow(1, 0, k).to(at::kDouble);
 }
 

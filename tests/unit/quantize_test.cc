@@ -63,12 +63,13 @@ TEST(QuantizeTest, ZeroRowsGetZeroScaleAndZeros) {
   EXPECT_EQ(q->row_scales()[0], 0.0f);
   EXPECT_EQ(q->scale(1, 1), 0.0f);  // an all-zero group of a nonzero row
   EXPECT_EQ(q->value(1, 5), -127);
+  EXPECT_EQ(q->row(1)[5], 1);  // stored as q + 128
   EXPECT_TRUE(at::equal(DequantizeInt8(*q), w));
 }
 
-// StoredIndex is a permutation of each row and the stored bytes are the
-// values at their natural index: full blocks of 512 interleaved (pair j of
-// group l at pair 16·j + l), the rest in order.
+// StoredIndex is a permutation of each row and the stored bytes are q + 128
+// at their natural index: full blocks of 512 interleaved (quad j of group l
+// at quad 16·j + l), the rest in order.
 TEST(QuantizeTest, StoredIndexInterleavesFullBlocksAndKeepsTheTailInOrder) {
   for (int64_t kp : {32, 512, 704, 2048}) {
     std::vector<int> seen(kp, 0);
@@ -77,16 +78,19 @@ TEST(QuantizeTest, StoredIndexInterleavesFullBlocksAndKeepsTheTailInOrder) {
   }
   EXPECT_EQ(StoredIndex(0, 512), 0);
   EXPECT_EQ(StoredIndex(1, 512), 1);
-  EXPECT_EQ(StoredIndex(2, 512), 32);    // pair 1 of group 0
-  EXPECT_EQ(StoredIndex(32, 512), 2);    // pair 0 of group 1
+  EXPECT_EQ(StoredIndex(3, 512), 3);
+  EXPECT_EQ(StoredIndex(4, 512), 64);    // quad 1 of group 0
+  EXPECT_EQ(StoredIndex(32, 512), 4);    // quad 0 of group 1
   EXPECT_EQ(StoredIndex(511, 512), 511);
-  EXPECT_EQ(StoredIndex(512 + 35, 1024), 512 + 32 + 2 + 1);
+  EXPECT_EQ(StoredIndex(512 + 35, 1024), 512 + 4 + 3);
   EXPECT_EQ(StoredIndex(530, 704), 530);  // the tail after one block
   at::manual_seed(2);
   const at::Tensor w = at::randn({3, 700});
   absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
   ASSERT_TRUE(q.ok());
-  for (int64_t i = 0; i < 700; ++i) EXPECT_EQ(q->row(2)[StoredIndex(i, 704)], q->value(2, i));
+  for (int64_t i = 0; i < 700; ++i) {
+    EXPECT_EQ(int{q->row(2)[StoredIndex(i, 704)]}, q->value(2, i) + 128);
+  }
 }
 
 // The stored values are exactly clamp(round-half-even(w·(1/scale)), ±127),
