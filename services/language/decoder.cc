@@ -275,6 +275,32 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   d->layers_ = *std::move(store);
 
   d->use_gemv_ = options.use_gemv && dtype == at::kBFloat16;
+
+  // The LM head on the packed GEMM with the layers (packed or int8 forms).
+  std::string head_note =
+      d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear";
+  if (options.packed_head && layer_options.form != ProjectionForm::kDense &&
+      kernels::DefaultGemmPath() != kernels::GemmPath::kTorch) {
+    try {
+      absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(d->lm_head_);
+      if (!head.ok()) return head.status();
+      d->packed_head_ = *std::move(head);
+      // Lookups read single embedding rows from the mapping from now on; the
+      // head's dense pages are no longer needed in memory.
+      if (d->tied_) {
+        d->embedding_bytes_ += d->packed_head_.bytes();
+        (void)ckpt.Evict(embed_source);  // view or converted: drops the mapped pages
+      } else {
+        d->embedding_bytes_ += d->packed_head_.bytes() - d->lm_head_.nbytes();
+        (void)ckpt.Evict(head_name);
+        d->lm_head_ = at::Tensor();
+      }
+      WeightBytesResidentGauge("embedding").Set(static_cast<double>(d->embedding_bytes_));
+    } catch (const c10::Error& e) {
+      return Internal("LM head packing", e);
+    }
+    head_note = absl::StrCat("gemm/", kernels::GemmPathName(d->packed_head_.path()));
+  }
   d->load_summary_ = absl::StrCat(
       "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
       ", layers ",
@@ -287,8 +313,7 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
                          d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath()))
                                       : "at::linear")
           : "",
-      ", LM head ",
-      d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear",
+      ", LM head ", head_note,
       options.layers.eager_load ? ", eager" : ", lazy",
       options.layers.resident_layers > 0
           ? absl::StrCat(", at most ", options.layers.resident_layers, " layers resident")
@@ -298,7 +323,8 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
 }
 
 uint64_t Decoder::decode_weight_bytes() const {
-  return layers_->total_bytes() + lm_head_.nbytes() + final_norm_.nbytes();
+  const uint64_t head = packed_head_.empty() ? lm_head_.nbytes() : packed_head_.bytes();
+  return layers_->total_bytes() + head + final_norm_.nbytes();
 }
 
 absl::StatusOr<std::unique_ptr<Sequence>> Decoder::NewSequence(int64_t capacity) const {
@@ -429,6 +455,13 @@ at::Tensor Decoder::RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) con
 
 at::Tensor Decoder::Head(const at::Tensor& hidden) const {
   // hidden: [R, hidden] (after the final norm) -> [R, vocab] float32
+  if (!packed_head_.empty()) {
+    kernels::GemmOptions options;
+    options.out_dtype = at::kFloat;
+    absl::StatusOr<at::Tensor> logits = kernels::Gemm(hidden, packed_head_, options);
+    Check(logits.status());
+    return *std::move(logits);
+  }
   if (use_gemv_) {
     const int64_t r = hidden.size(0);
     at::Tensor logits = at::empty({r, vocab_size()}, at::TensorOptions().dtype(at::kFloat));
@@ -998,7 +1031,8 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
     // --- final norm and LM head (§5.4) for the rows that want logits --------
     at::Tensor hidden =
         RowRmsNorm(x.index_select(0, at::tensor(logit_rows, long_opts)), final_norm_, eps);
-    if (use_gemv_) return Head(hidden);  // Gemv: per-row results, groups of 8 rows
+    // Packed Gemm or Gemv: per-row results (row-invariant).
+    if (use_gemv_ || !packed_head_.empty()) return Head(hidden);
     return RowLinear(hidden, lm_head_).to(at::kFloat);
   } catch (const c10::Error& e) {
     return Internal("forward", e);
