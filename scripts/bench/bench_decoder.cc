@@ -52,6 +52,7 @@ ABSL_FLAG(int, resident_layers, 0, "layer residency bound (0: none)");
 ABSL_FLAG(int, prefetch_layers, 1, "layers prefetched ahead");
 ABSL_FLAG(bool, eager, false, "materialize every layer at load");
 ABSL_FLAG(bool, gemv, true, "decode projections through vlm::Gemv");
+ABSL_FLAG(bool, packed_head, true, "LM head on the packed GEMM (packed/int8 layers); false: Gemv");
 ABSL_FLAG(int64_t, chunk, 512, "prefill chunk tokens");
 ABSL_FLAG(bool, single, true, "run the single-sequence Prefill/DecodeStep table");
 ABSL_FLAG(std::string, batches, "1,2,4,8", "batched forward: sequences per decode pass");
@@ -486,6 +487,7 @@ int Run() {
   DecoderOptions o;
   o.compute_dtype = dtype;
   o.use_gemv = absl::GetFlag(FLAGS_gemv);
+  o.packed_head = absl::GetFlag(FLAGS_packed_head);
   {
     auto matmul = ParseMatmulPath(absl::GetFlag(FLAGS_matmul));
     auto weights = ParseWeightDType(absl::GetFlag(FLAGS_weight_dtype));

@@ -248,13 +248,6 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     layer_options.form = ProjectionForm::kInt8;
     matmul_note = absl::StrCat("int8 projections (gemv_int8/",
                                kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
-    if (options.int8_lm_head) {
-      absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(d->lm_head_);
-      if (!head.ok()) return head.status();
-      d->lm_head8_ = *std::move(head);
-      d->embedding_bytes_ += d->lm_head8_.bytes();
-      WeightBytesResidentGauge("embedding").Set(static_cast<double>(d->embedding_bytes_));
-    }
   } else if (options.matmul != MatmulPath::kTorch) {
     const kernels::GemmPath gemm = kernels::DefaultGemmPath();
     const bool blocked = gemm != kernels::GemmPath::kTorch;
@@ -283,6 +276,45 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   d->layers_ = *std::move(store);
 
   d->use_gemv_ = options.use_gemv && dtype == at::kBFloat16;
+
+  // The LM head: int8 with int8 layers (int8_lm_head), else on the packed
+  // GEMM with the layers (packed or int8 forms). Either way lookups read
+  // single embedding rows from the mapping from now on; the head's dense
+  // pages are no longer needed in memory.
+  std::string head_note =
+      d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear";
+  const bool int8_head = layer_options.form == ProjectionForm::kInt8 && options.int8_lm_head;
+  if (int8_head || (options.packed_head && layer_options.form != ProjectionForm::kDense &&
+                    kernels::DefaultGemmPath() != kernels::GemmPath::kTorch)) {
+    try {
+      uint64_t head_bytes = 0;
+      if (int8_head) {
+        absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(d->lm_head_);
+        if (!head.ok()) return head.status();
+        d->lm_head8_ = *std::move(head);
+        head_bytes = d->lm_head8_.bytes();
+        head_note = absl::StrCat("int8 (gemv_int8/",
+                                 kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
+      } else {
+        absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(d->lm_head_);
+        if (!head.ok()) return head.status();
+        d->packed_head_ = *std::move(head);
+        head_bytes = d->packed_head_.bytes();
+        head_note = absl::StrCat("gemm/", kernels::GemmPathName(d->packed_head_.path()));
+      }
+      if (d->tied_) {
+        d->embedding_bytes_ += head_bytes;
+        (void)ckpt.Evict(embed_source);  // view or converted: drops the mapped pages
+      } else {
+        d->embedding_bytes_ += head_bytes - d->lm_head_.nbytes();
+        (void)ckpt.Evict(head_name);
+        d->lm_head_ = at::Tensor();
+      }
+      WeightBytesResidentGauge("embedding").Set(static_cast<double>(d->embedding_bytes_));
+    } catch (const c10::Error& e) {
+      return Internal("LM head packing", e);
+    }
+  }
   d->load_summary_ = absl::StrCat(
       "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
       ", layers ",
@@ -295,12 +327,7 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
                          d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath()))
                                       : "at::linear")
           : "",
-      ", LM head ",
-      !d->lm_head8_.empty()
-          ? absl::StrCat("int8 (gemv_int8/",
-                         kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")")
-      : d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath()))
-                     : "at::linear",
+      ", LM head ", head_note,
       options.layers.eager_load ? ", eager" : ", lazy",
       options.layers.resident_layers > 0
           ? absl::StrCat(", at most ", options.layers.resident_layers, " layers resident")
@@ -310,8 +337,10 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
 }
 
 uint64_t Decoder::decode_weight_bytes() const {
-  return layers_->total_bytes() + (lm_head8_.empty() ? lm_head_.nbytes() : lm_head8_.bytes()) +
-         final_norm_.nbytes();
+  const uint64_t head = !lm_head8_.empty()     ? lm_head8_.bytes()
+                        : !packed_head_.empty() ? packed_head_.bytes()
+                                                : lm_head_.nbytes();
+  return layers_->total_bytes() + head + final_norm_.nbytes();
 }
 
 absl::StatusOr<std::unique_ptr<Sequence>> Decoder::NewSequence(int64_t capacity) const {
@@ -450,6 +479,13 @@ at::Tensor Decoder::Head(const at::Tensor& hidden) const {
       Check(kernels::GemvInt8(hidden.narrow(0, i, y.size(0)), lm_head8_, &y));
     }
     return logits;
+  }
+  if (!packed_head_.empty()) {
+    kernels::GemmOptions options;
+    options.out_dtype = at::kFloat;
+    absl::StatusOr<at::Tensor> logits = kernels::Gemm(hidden, packed_head_, options);
+    Check(logits.status());
+    return *std::move(logits);
   }
   if (use_gemv_) {
     const int64_t r = hidden.size(0);
@@ -1020,8 +1056,8 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
     // --- final norm and LM head (§5.4) for the rows that want logits --------
     at::Tensor hidden =
         RowRmsNorm(x.index_select(0, at::tensor(logit_rows, long_opts)), final_norm_, eps);
-    // Gemv / GemvInt8: per-row results, groups of 8 rows.
-    if (use_gemv_ || !lm_head8_.empty()) return Head(hidden);
+    // GemvInt8, packed Gemm or Gemv: per-row results (row-invariant).
+    if (use_gemv_ || !packed_head_.empty() || !lm_head8_.empty()) return Head(hidden);
     return RowLinear(hidden, lm_head_).to(at::kFloat);
   } catch (const c10::Error& e) {
     return Internal("forward", e);

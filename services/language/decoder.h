@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/cpu_features.h"
+#include "common/kernels/gemm.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "services/language/layer_store.h"
@@ -83,6 +84,9 @@ struct DecoderOptions {
   // The LM head and, with dense projections (matmul torch), decode-row
   // projections through vlm::Gemv (bf16 compute only); false: at::linear.
   bool use_gemv = true;
+  // The LM head packed for kernels::Gemm when the layers are packed or int8
+  // and a blocked GEMM path exists (false: as use_gemv says).
+  bool packed_head = true;
   // Read embed_tokens' pages at Load (eager_load also does); otherwise they
   // are only madvise(WILLNEED)-ed and fault in at the first request.
   bool touch_embedding = false;
@@ -308,6 +312,12 @@ class Decoder {
   at::Tensor embed_tokens_;  // [vocab, hidden] compute dtype
   at::Tensor lm_head_;       // [vocab, hidden]: embed_tokens_ itself when tied
   kernels::QuantizedWeight lm_head8_;  // int8 copy of lm_head_ (int8_lm_head), else empty
+  // The LM head packed for kernels::Gemm when the layers are packed or int8
+  // and a blocked GEMM path exists (packed at Load; the dense head's mapped
+  // pages are released): Gemm reads each head weight once for every row of a
+  // pass, where vlm::Gemv rereads it per 4 rows. Empty otherwise (and with
+  // the int8 head).
+  kernels::PackedWeight packed_head_;
   at::Tensor final_norm_;    // [hidden]
   bool tied_ = true;
   bool use_gemv_ = false;

@@ -15,11 +15,11 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
+#include "common/kernels/thread_pool.h"
 
 namespace vlm::language {
 namespace {
@@ -364,7 +364,10 @@ void Run(const std::vector<Item>& items, const Geometry& g, bool avx512, const a
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // On the kernels' pool, like the projections around it: an OpenMP region
+  // here would wake libgomp's (passive) worker onto the core where the pool's
+  // worker is still spinning after the previous GEMM.
+  kernels::ParallelFor(static_cast<int64_t>(items.size()), 0, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch w;
     for (int64_t i = begin; i < end; ++i) {
       if (avx512) {

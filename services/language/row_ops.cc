@@ -9,13 +9,14 @@
 #pragma GCC diagnostic pop
 
 #include <cmath>
+#include <functional>
 #include <cstring>
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include "common/cpu_features.h"
+#include "common/kernels/thread_pool.h"
 
 namespace vlm::language {
 namespace {
@@ -32,6 +33,15 @@ bool UseAvx512() {
 // few rows run inline instead of opening an OpenMP region whose barrier
 // waits out a descheduled thread on a busy machine.
 int64_t Grain(int64_t n) { return std::max<int64_t>(1, 262144 / std::max<int64_t>(n, 1)); }
+
+// fn over [0, rows) on the kernels' pool (the projections' threads: no second
+// set of OpenMP threads competing for the cores between GEMMs), in ranges of at
+// least min_rows rows: inline when rows <= min_rows.
+void ParallelRows(int64_t rows, int64_t min_rows, const std::function<void(int64_t, int64_t)>& fn) {
+  const int threads = kernels::DefaultThreads();
+  const int64_t range = std::max(min_rows, (rows + threads - 1) / threads);
+  kernels::ParallelFor(rows, threads, range, fn);
+}
 
 void CheckRows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
@@ -173,7 +183,7 @@ void RmsNormRows(const at::Tensor& x, const at::Tensor& weight, float eps, const
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const bool avx = UseAvx512();
-  at::parallel_for(0, rows, Grain(n), [&](int64_t begin, int64_t end) {
+  ParallelRows(rows, Grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (avx) {
         RmsNormRowAvx512(xp + r * n, wp, n, eps, op + r * n);
@@ -190,7 +200,7 @@ void AddRows(const at::Tensor& x, const at::Tensor& y) {
   T* xp = x.data_ptr<T>();
   const T* yp = y.data_ptr<T>();
   const bool avx = UseAvx512();
-  at::parallel_for(0, rows, Grain(n), [&](int64_t begin, int64_t end) {
+  ParallelRows(rows, Grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (avx) {
         AddRowAvx512(xp + r * n, yp + r * n, n);
@@ -208,7 +218,7 @@ void SiluMulRows(const at::Tensor& gate, const at::Tensor& up, const at::Tensor&
   const T* up_ = up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const bool avx = UseAvx512();
-  at::parallel_for(0, rows, Grain(n), [&](int64_t begin, int64_t end) {
+  ParallelRows(rows, Grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (avx) {
         SiluMulRowAvx512(gp + r * n, up_ + r * n, n, op + r * n);
@@ -225,7 +235,7 @@ void RotaryRows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   T* xp = x.data_ptr<T>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, rows, Grain(heads * d), [&](int64_t begin, int64_t end) {
+  ParallelRows(rows, Grain(heads * d), [&](int64_t begin, int64_t end) {
     std::vector<float> f(d);
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cp + r * d;

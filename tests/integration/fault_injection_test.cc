@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "tests/integration/chat_request.h"
 #include "tests/integration/service_process.h"
 #include "tests/integration/test_png.h"
 #include "tests/unit/metrics_text.h"
@@ -52,22 +53,10 @@ std::string TinyCheckpoint() {
 
 v1::ChatRequest Request(const std::string& text, const std::vector<std::string>& images = {},
                         int max_tokens = 4) {
-  v1::ChatRequest r;
-  auto* m = r.add_messages();
-  m->set_role("user");
-  for (const std::string& image : images) m->add_content()->mutable_image()->set_data(image);
-  m->add_content()->set_text(text);
-  r.mutable_params()->set_max_tokens(max_tokens);
-  r.mutable_params()->mutable_sampling()->set_temperature(0);
-  return r;
+  return testing::GreedyChat(text, images, max_tokens);
 }
 
-// A generation that runs for seconds on the tiny model unless stopped.
-v1::ChatRequest LongRequest(int max_tokens = 4000) {
-  v1::ChatRequest r = Request("Tell me a very long story.", {}, max_tokens);
-  r.mutable_params()->set_ignore_eos(true);
-  return r;
-}
+v1::ChatRequest LongRequest(int max_tokens = 4000) { return testing::EndlessChat(max_tokens); }
 
 // A metric of a service's /metrics; -1 if absent or unreachable.
 double Metric(const ServiceProcess& p, const std::string& key) {

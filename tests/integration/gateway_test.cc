@@ -27,6 +27,7 @@
 #include "common/sha256.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "services/gateway/router.h"
+#include "tests/integration/chat_request.h"
 #include "tests/integration/service_process.h"
 #include "tests/unit/metrics_text.h"
 #include "vlm/v1/gateway.grpc.pb.h"
@@ -99,22 +100,10 @@ double Metric(int port, const std::string& key) {
 
 v1::ChatRequest Request(const std::string& text, const std::vector<std::string>& images = {},
                         int max_tokens = 12) {
-  v1::ChatRequest r;
-  auto* m = r.add_messages();
-  m->set_role("user");
-  for (const std::string& image : images) m->add_content()->mutable_image()->set_data(image);
-  m->add_content()->set_text(text);
-  r.mutable_params()->set_max_tokens(max_tokens);
-  r.mutable_params()->mutable_sampling()->set_temperature(0);
-  return r;
+  return testing::GreedyChat(text, images, max_tokens);
 }
 
-// A generation that would run for seconds on the tiny model unless stopped.
-v1::ChatRequest LongRequest() {
-  v1::ChatRequest r = Request("Tell me a very long story.", {}, 4000);
-  r.mutable_params()->set_ignore_eos(true);
-  return r;
-}
+v1::ChatRequest LongRequest() { return testing::EndlessChat(); }
 
 // --- the process set -----------------------------------------------------------
 

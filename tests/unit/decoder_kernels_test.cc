@@ -1,6 +1,6 @@
 // The decoder's projections on the project's kernels (decoder.h MatmulPath,
 // WeightDType) on the tiny checkpoint:
-//   - bf16, matmul kernels (packed weights, kernels::Gemm for every row)
+//   - bf16, matmul kernels (packed weights and LM head, kernels::Gemm for every row)
 //     against matmul torch (dense at::linear + vlm::Gemv) and against the
 //     independent float32 reference (tests/reference/text_ref.py goldens);
 //   - batch invariance with kernels is EXACT: a sequence alone, prompt in one
