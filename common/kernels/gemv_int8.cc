@@ -22,63 +22,62 @@
 namespace vlm::kernels {
 namespace {
 
-constexpr int64_t kBlock = 32;  // activation quantization block
-constexpr int64_t kChunk = 64;  // bytes of a weight row per VPDPBUSD (two blocks)
+constexpr int64_t kGroup = kInt8Group;  // elements per scale (weights and activations)
+constexpr int64_t kBlock = kInt8Block;  // interleaved block: 16 groups, one per VPDPBUSD lane
+// |xq| ≤ 32639 = 127·256 + 127, so xq = 256·hi + lo with hi, lo both int8.
+constexpr float kXLimit = 32639.0f;
 
-// x quantized, in buffers reused by the calling thread from call to call:
-// q [B][k_padded] int8 (zero past K), d [B][k_padded / 32] f32, and for the
-// VNNI path, per 64-wide chunk and VPDPBUSD lane (4 consecutive k): the
-// scales [B][k_padded/64][16] (lanes 0-7 block 2c, lanes 8-15 block 2c+1)
-// and the start values -128·Σ of the lane's 4 xq [B][k_padded/64][16], which
-// cancel the +128 of the stored weights.
+// x quantized to int16 per group of 32, in buffers reused by the calling
+// thread from call to call: q [B][k_padded] natural order (zero past K),
+// d [B][groups] f32; for the VNNI path xq = 256·hi + lo split into int8 hi and
+// lo (lo = the low byte as signed) [B][k_padded] in the weights' stored order
+// (quantize.h StoredIndex), and bias [B][groups] = -128·Σ_group xq, which
+// cancels the +128 of the stored weights.
 struct QuantizedX {
-  int64_t batch = 0, k_padded = 0;
-  std::vector<int8_t> q;
+  int64_t batch = 0, k_padded = 0, groups = 0;
+  std::vector<int16_t> q;
   std::vector<float> d;
-  std::vector<float> d_lanes;
-  std::vector<int32_t> bias_lanes;
+  std::vector<int8_t> hi, lo;
+  std::vector<int32_t> bias;
 
-  void Resize(int64_t b, int64_t kp) {
+  void Resize(int64_t b, int64_t kp, bool vnni) {
     batch = b;
     k_padded = kp;
+    groups = kp / kGroup;
     q.resize(b * kp);
-    d.resize(b * kp / kBlock);
-    d_lanes.resize(b * kp / kChunk * 16);
-    bias_lanes.resize(b * kp / kChunk * 16);
+    d.resize(b * groups);
+    if (vnni) {
+      hi.resize(b * kp);
+      lo.resize(b * kp);
+      bias.resize(b * groups);
+    }
   }
 };
 
 float ToF32(const float* p, int64_t i) { return p[i]; }
 float ToF32(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
 
-// Blocks of one row: d = max|x| / 127, q = round-to-nearest-even(x / d) (as
-// x·(1/d)), clamped to ±127. The VNNI path's vector version below computes
-// the same f32 operations, so both paths see identical q and d.
-template <typename T>
-void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int8_t* q, float* d) {
-  for (int64_t blk = 0; blk < kp / kBlock; ++blk) {
-    const int64_t k0 = blk * kBlock, k1 = std::min(k, k0 + kBlock);
-    float amax = 0;
-    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src, i)));
-    const float scale = amax / 127.0f;
-    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-    for (int64_t i = k0; i < k0 + kBlock; ++i) {
-      q[i] = i < k1 ? static_cast<int8_t>(
-                          std::clamp(std::nearbyint(ToF32(src, i) * inv), -127.0f, 127.0f))
-                    : 0;
-    }
-    d[blk] = scale;
-  }
+float HalfToFloat(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-void LanesScalar(const int8_t* q, const float* d, int64_t kp, float* d_lanes, int32_t* bias) {
-  for (int64_t c = 0; c < kp / kChunk; ++c) {
-    for (int l = 0; l < 16; ++l) {
-      d_lanes[c * 16 + l] = d[2 * c + l / 8];
-      int32_t sum = 0;
-      for (int j = 0; j < 4; ++j) sum += q[c * kChunk + 4 * l + j];
-      bias[c * 16 + l] = -128 * sum;
+// Groups of one row: d = max|x| / 32639, q = round-to-nearest-even(x·(1/d)),
+// clamped to ±32639, in natural order. The VNNI path's vector version below
+// computes the same f32 operations, so both paths see identical q and d.
+template <typename T>
+void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int16_t* q, float* d) {
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    const int64_t k0 = g * kGroup, k1 = std::min(k, k0 + kGroup);
+    float amax = 0;
+    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src, i)));
+    const float scale = amax / kXLimit;
+    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+    for (int64_t i = k0; i < k0 + kGroup; ++i) {
+      q[i] = i < k1 ? static_cast<int16_t>(
+                          std::clamp(std::nearbyint(ToF32(src, i) * inv), -kXLimit, kXLimit))
+                    : 0;
     }
+    d[g] = scale;
   }
 }
 
@@ -98,57 +97,67 @@ VLM_TARGET_VNNI inline __m512 Load16(const c10::BFloat16* src, int64_t i0, int64
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// round(v·inv) clamped to ±127 as int8; VCVTPS2DQ rounds to nearest even
+// round(v·inv) clamped to ±32639 as int16; VCVTPS2DQ rounds to nearest even
 // (the default MXCSR mode), as std::nearbyint does.
-VLM_TARGET_VNNI inline __m128i Quantize16(__m512 v, __m512 inv, __m512i lim, __m512i neg_lim) {
+VLM_TARGET_VNNI inline __m256i Quantize16(__m512 v, __m512 inv, __m512i lim, __m512i neg_lim) {
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-  return _mm512_cvtepi32_epi8(_mm512_max_epi32(_mm512_min_epi32(r, lim), neg_lim));
+  return _mm512_cvtepi32_epi16(_mm512_max_epi32(_mm512_min_epi32(r, lim), neg_lim));
 }
 
+// The same q and d as QuantizeRowScalar (natural order), and for the kernel
+// hi, lo written straight to their stored positions (group l of a full block:
+// its quad j to quad slot 16·j + l; tail groups in order) and bias per group.
 template <typename T>
-VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
-                                     float* d_lanes, int32_t* bias) {
-  const __m512i lim = _mm512_set1_epi32(127), neg_lim = _mm512_set1_epi32(-127);
-  for (int64_t blk = 0; blk < kp / kBlock; ++blk) {
-    const int64_t k0 = blk * kBlock;
-    const __m512 lo = Load16(src, k0, k), hi = Load16(src, k0 + 16, k);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float scale = amax / 127.0f;
+VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int16_t* q, float* d,
+                                     int8_t* hi, int8_t* lo, int32_t* bias) {
+  const __m512i lim = _mm512_set1_epi32(32639), neg_lim = _mm512_set1_epi32(-32639);
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m256i quad_slots = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+  const int64_t full_groups = kp / kBlock * kBlock / kGroup;
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    const int64_t k0 = g * kGroup;
+    const __m512 vlo = Load16(src, k0, k), vhi = Load16(src, k0 + 16, k);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(vlo), _mm512_abs_ps(vhi)));
+    const float scale = amax / kXLimit;
     const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0), Quantize16(lo, inv, lim, neg_lim));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16), Quantize16(hi, inv, lim, neg_lim));
-    d[blk] = scale;
-  }
-  const __m512i u128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t c = 0; c < kp / kChunk; ++c) {
-    const __m512i xq = _mm512_loadu_si512(q + c * kChunk);
-    const __m512i sum128 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u128, xq);  // 128·Σ4 xq
-    _mm512_storeu_si512(bias + c * 16, _mm512_sub_epi32(_mm512_setzero_si512(), sum128));
-    _mm512_storeu_ps(d_lanes + c * 16,
-                     _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[2 * c]),
-                                          _mm512_set1_ps(d[2 * c + 1])));
+    const __m512i xq = _mm512_inserti64x4(
+        _mm512_castsi256_si512(Quantize16(vlo, inv, lim, neg_lim)), Quantize16(vhi, inv, lim, neg_lim),
+        1);  // 32 int16
+    _mm512_storeu_si512(q + k0, xq);
+    d[g] = scale;
+    // lo = the low byte as signed, hi = (xq - lo) / 256.
+    const __m512i lo16 = _mm512_srai_epi16(_mm512_slli_epi16(xq, 8), 8);
+    const __m256i lo8 = _mm512_cvtepi16_epi8(lo16);
+    const __m256i hi8 = _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_sub_epi16(xq, lo16), 8));
+    bias[g] = -128 * _mm512_reduce_add_epi32(_mm512_madd_epi16(xq, ones));
+    if (g < full_groups) {
+      const int64_t base = g / 16 * kBlock + 4 * (g % 16);  // quad 0 of group g % 16
+      _mm256_i32scatter_epi32(lo + base, quad_slots, lo8, 4);
+      _mm256_i32scatter_epi32(hi + base, quad_slots, hi8, 4);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + k0), lo8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + k0), hi8);
+    }
   }
 }
 
 template <typename T>
 void QuantizeXTyped(const T* src, int64_t ld, int64_t k, bool vnni, QuantizedX* out) {
-  const int64_t kp = out->k_padded, chunks = kp / kChunk;
+  const int64_t kp = out->k_padded;
   for (int64_t b = 0; b < out->batch; ++b) {
-    int8_t* q = out->q.data() + b * kp;
-    float* d = out->d.data() + b * (kp / kBlock);
-    float* dl = out->d_lanes.data() + b * chunks * 16;
-    int32_t* bias = out->bias_lanes.data() + b * chunks * 16;
+    float* d = out->d.data() + b * out->groups;
+    int16_t* q = out->q.data() + b * kp;
     if (vnni) {
-      QuantizeRowVnni(src + b * ld, k, kp, q, d, dl, bias);
+      QuantizeRowVnni(src + b * ld, k, kp, q, d, out->hi.data() + b * kp,
+                      out->lo.data() + b * kp, out->bias.data() + b * out->groups);
     } else {
       QuantizeRowScalar(src + b * ld, k, kp, q, d);
-      LanesScalar(q, d, kp, dl, bias);
     }
   }
 }
 
 void QuantizeX(const at::Tensor& x, int64_t k_padded, bool vnni, QuantizedX* out) {
-  out->Resize(x.size(0), k_padded);
+  out->Resize(x.size(0), k_padded, vnni);
   const int64_t ld = x.size(0) > 1 ? x.stride(0) : x.size(1);
   if (x.scalar_type() == at::kBFloat16) {
     QuantizeXTyped(x.data_ptr<c10::BFloat16>(), ld, x.size(1), vnni, out);
@@ -168,125 +177,120 @@ struct Output {
 };
 
 // --- scalar ------------------------------------------------------------------
+// Per group: the exact integer sum, times scale ratio·d; groups summed in
+// order; times the row scale.
 void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out, int64_t r0,
                 int64_t r1) {
-  const int64_t blocks = x.k_padded / kBlock;
+  const int64_t kp = x.k_padded;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wr = w.row(r);
+    const uint16_t* ratios = w.ratios() + r * x.groups;
     for (int64_t b = 0; b < x.batch; ++b) {
-      const int8_t* xr = x.q.data() + b * x.k_padded;
+      const int16_t* xr = x.q.data() + b * kp;
       float sum = 0;
-      for (int64_t blk = 0; blk < blocks; ++blk) {
+      for (int64_t g = 0; g < x.groups; ++g) {
         int32_t isum = 0;
-        for (int64_t i = blk * kBlock; i < (blk + 1) * kBlock; ++i) {
-          isum += int32_t{xr[i]} * (int32_t{wr[i]} - 128);
+        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
+          isum += int32_t{xr[i]} * (int32_t{wr[StoredIndex(i, kp)]} - 128);
         }
-        sum += x.d[b * blocks + blk] * static_cast<float>(isum);
+        sum += HalfToFloat(ratios[g]) * x.d[b * x.groups + g] * static_cast<float>(isum);
       }
-      out.Store(b, r, w.scales()[r] * sum);
+      out.Store(b, r, w.row_scales()[r] * sum);
     }
   }
 }
 
 // --- avx512vnni ----------------------------------------------------------------
-// B >= 3: a tile is R weight rows × NB batch rows. Per 64-byte chunk the R weight
-// vectors are loaded once and each batch row's quantized x, scales and start
-// values once, then R·NB independent VPDPBUSD → convert → FMA chains run
-// (R·NB + R + 4 vector registers). Each weight load is paired with a prefetch
-// of the same column kPrefetchTiles tiles further on.
-constexpr int kPrefetchTiles = 2;
-
-template <int R, int NB>
-VLM_TARGET_VNNI inline void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWeight& w,
-                                     int64_t r0, const Output& out) {
-  __m512 acc[NB][R];
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-  const int64_t kp = x.k_padded, chunks = kp / kChunk;
-  const uint8_t* wp = w.row(r0);  // rows are k_padded apart
-  const int64_t pf = kPrefetchTiles * R * kp;
-  const int8_t* xq = x.q.data() + b0 * kp;
-  const float* dl = x.d_lanes.data() + b0 * chunks * 16;
-  const int32_t* bl = x.bias_lanes.data() + b0 * chunks * 16;
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i wv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + r * kp + c * kChunk + pf), _MM_HINT_T0);
-      wv[r] = _mm512_load_si512(wp + r * kp + c * kChunk);
-    }
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) {
-      const __m512i xv = _mm512_loadu_si512(xq + b * kp + c * kChunk);
-      const __m512 dv = _mm512_loadu_ps(dl + (b * chunks + c) * 16);
-      const __m512i bias = _mm512_loadu_si512(bl + (b * chunks + c) * 16);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(bias, wv[r], xv);  // exact Σ q·xq per lane
-        acc[b][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv, acc[b][r]);
-      }
-    }
-  }
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r)
-      out.Store(b0 + b, r0 + r, w.scales()[r0 + r] * _mm512_reduce_add_ps(acc[b][r]));
-}
-
-// B = 1, 2: one row at a time, front to back, so each thread reads its rows
-// as a single sequential stream (the hardware prefetchers' best case;
-// interleaving 4 rows of 2 KB measured about 25% slower per byte at B = 1 on
-// AMD Zen 5, and at B = 2 too), with 4 accumulator chains over consecutive
-// chunks (4 / B per batch row) to hide the FMA latency and a
-// prefetch kSeqPrefetch bytes ahead in the stream (which runs on into the
-// next row).
+// A tile of R weight rows × NB batch rows (NB ≤ 4; larger batches in groups
+// of 4 while the tile's rows stay in L1), the rows read front to back. Per 64
+// stored weights (q + 128, u8) and batch row: VPDPBUSD with the int8 hi and
+// with the int8 lo parts of xq. In a full block lane l sums group l of the
+// block (the interleaved layout), so the integer sums stay in int32 for 8
+// instructions, and the block costs (hi << 8) + lo + bias, one convert, one
+// scale product (16 f16 ratios · 16 d) and one FMA per (row, batch row).
+// Integer sums are exact (per lane |Σ (q+128)·xq| ≤ 32·255·32639 < 2^31), so
+// splitting them over A accumulators (latency hiding for small tiles) changes
+// nothing: every (row, batch row) gets the same f32 operations whatever the
+// tile and batch, which keeps decode rows batch-invariant bit for bit. Tail
+// groups (after the last full block) are summed in scalar integers.
 constexpr int64_t kSeqPrefetch = 512;
 
-// acc + d_lanes · Σ q·xq over chunk c of one weight row and one batch row.
-VLM_TARGET_VNNI inline __m512 ChunkVnni(const uint8_t* w, const int8_t* xq, const float* d_lanes,
-                                        const int32_t* bias, int64_t c, __m512 acc) {
-  const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(bias + c * 16),
-                                          _mm512_load_si512(w + c * kChunk),
-                                          _mm512_loadu_si512(xq + c * kChunk));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(d_lanes + c * 16), acc);
-}
-
-template <int NB>
-VLM_TARGET_VNNI void RowSequentialVnni(const QuantizedX& x, const QuantizedWeight& w, int64_t r,
-                                       const Output& out) {
-  constexpr int A = 4 / NB;  // accumulators per batch row: 4 chains in all
-  __m512 acc[NB][A];
-  for (int b = 0; b < NB; ++b)
-    for (int a = 0; a < A; ++a) acc[b][a] = _mm512_setzero_ps();
-  const int64_t kp = x.k_padded, chunks = kp / kChunk;
-  const uint8_t* wp = w.row(r);
-  int64_t c = 0;
-  for (; c + A <= chunks; c += A) {
+template <int R, int NB>
+VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWeight& w,
+                              int64_t r0, const Output& out) {
+  constexpr int A = R * NB >= 2 ? 1 : 2;  // partial sums per (row, batch row) and part
+  const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
+  const int8_t* xh = x.hi.data() + b0 * kp;
+  const int8_t* xl = x.lo.data() + b0 * kp;
+  const int32_t* bias = x.bias.data() + b0 * groups;
+  const float* d = x.d.data() + b0 * groups;
+  __m512 facc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < full; s += kBlock) {
+    __m512i ah[R][NB][A], al[R][NB][A];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b)
+        for (int a = 0; a < A; ++a) ah[r][b][a] = al[r][b][a] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv[R];
 #pragma GCC unroll 4
-    for (int a = 0; a < A; ++a) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (c + a) * kChunk + kSeqPrefetch),
-                   _MM_HINT_T0);
-#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* wp = w.row(r0 + r) + s + j * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + kSeqPrefetch), _MM_HINT_T0);
+        wv[r] = _mm512_loadu_si512(wp);  // rows are 32-byte aligned only
+      }
+#pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        acc[b][a] = ChunkVnni(wp, x.q.data() + b * kp, x.d_lanes.data() + b * chunks * 16,
-                              x.bias_lanes.data() + b * chunks * 16, c + a, acc[b][a]);
+        const __m512i hv = _mm512_loadu_si512(xh + b * kp + s + j * 64);
+        const __m512i lv = _mm512_loadu_si512(xl + b * kp + s + j * 64);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          ah[r][b][j % A] = _mm512_dpbusd_epi32(ah[r][b][j % A], wv[r], hv);
+          al[r][b][j % A] = _mm512_dpbusd_epi32(al[r][b][j % A], wv[r], lv);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 ratio = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w.ratios() + (r0 + r) * groups + s / kGroup)));
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) {
+        __m512i h = ah[r][b][0], l = al[r][b][0];
+        for (int a = 1; a < A; ++a) {
+          h = _mm512_add_epi32(h, ah[r][b][a]);
+          l = _mm512_add_epi32(l, al[r][b][a]);
+        }
+        const __m512i isum = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_slli_epi32(h, 8), l),
+            _mm512_loadu_si512(bias + b * groups + s / kGroup));
+        const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(d + b * groups + s / kGroup));
+        facc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, facc[r][b]);
       }
     }
   }
-  for (; c < chunks; ++c) {
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* wr = w.row(r0 + r);
     for (int b = 0; b < NB; ++b) {
-      acc[b][0] = ChunkVnni(wp, x.q.data() + b * kp, x.d_lanes.data() + b * chunks * 16,
-                            x.bias_lanes.data() + b * chunks * 16, c, acc[b][0]);
+      const int16_t* xr = x.q.data() + (b0 + b) * kp;
+      float tail = 0;
+      for (int64_t g = full / kGroup; g < groups; ++g) {  // natural-order tail groups
+        int32_t isum = 0;
+        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
+          isum += int32_t{xr[i]} * (int32_t{wr[i]} - 128);
+        }
+        tail += HalfToFloat(w.ratios()[(r0 + r) * groups + g]) * d[b * groups + g] *
+                static_cast<float>(isum);
+      }
+      out.Store(b0 + b, r0 + r,
+                w.row_scales()[r0 + r] * (_mm512_reduce_add_ps(facc[r][b]) + tail));
     }
-  }
-  for (int b = 0; b < NB; ++b) {
-    __m512 s = acc[b][0];
-    for (int a = 1; a < A; ++a) s = _mm512_add_ps(s, acc[b][a]);
-    out.Store(b, r, w.scales()[r] * _mm512_reduce_add_ps(s));
   }
 }
 
-// Rows [r0, r1) for every batch row: tiles of R rows (1 for the tail), batch
-// rows in groups of up to 4; a tile's weights stay in L1 across groups.
+// Rows [r0, r0 + R) for every batch row, in groups of up to 4 batch rows.
 template <int R>
 VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const QuantizedWeight& w, int64_t r0,
                                  const Output& out) {
@@ -300,18 +304,17 @@ VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const QuantizedWeight& w, 
   }
 }
 
-constexpr int kRowTile = 4;
 constexpr int64_t kRowsPerTask = 64;
 
+// B = 1: one row at a time (one sequential stream per thread, the hardware
+// prefetchers' best case; x is small and stays in L1). B >= 2: tiles of 2
+// rows, which halve the loads of x (it no longer fits L1 at B = 8, K = 6144).
 VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const QuantizedWeight& w, const Output& out,
                               int64_t r0, int64_t r1) {
   int64_t r = r0;
-  if (x.batch == 1) {
-    for (; r < r1; ++r) RowSequentialVnni<1>(x, w, r, out);
-  } else if (x.batch == 2) {
-    for (; r < r1; ++r) RowSequentialVnni<2>(x, w, r, out);
+  if (x.batch >= 2) {
+    for (; r + 2 <= r1; r += 2) RowTileVnni<2>(x, w, r, out);
   }
-  for (; r + kRowTile <= r1; r += kRowTile) RowTileVnni<kRowTile>(x, w, r, out);
   for (; r < r1; ++r) RowTileVnni<1>(x, w, r, out);
   _mm256_zeroupper();
 }

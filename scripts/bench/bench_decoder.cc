@@ -68,6 +68,8 @@ ABSL_FLAG(bool, fidelity, false,
           "over a random prompt and a teacher-forced bf16 greedy continuation");
 ABSL_FLAG(std::string, matmul, "auto", "decoder projections: auto, kernels or torch");
 ABSL_FLAG(std::string, weight_dtype, "bf16", "decoder projection weights: bf16 or int8");
+ABSL_FLAG(bool, int8_lm_head, true,
+          "with int8 weights (and --fidelity): the LM head in int8 too (false: packed bf16 head)");
 ABSL_FLAG(std::string, tables, "decode,prefill,attention",
           "batched forward tables to print: decode, prefill, attention");
 
@@ -393,6 +395,7 @@ int RunFidelity(std::shared_ptr<const vlm::SafetensorsCheckpoint> checkpoint,
   o.compute_dtype = ComputeDType::kBFloat16;
   auto bf16 = Decoder::Load(checkpoint, config, o);
   o.weight_dtype = WeightDType::kInt8;
+  o.int8_lm_head = absl::GetFlag(FLAGS_int8_lm_head);
   auto int8 = Decoder::Load(checkpoint, config, o);
   if (!bf16.ok() || !int8.ok()) {
     std::fprintf(stderr, "load: %s %s\n", bf16.status().ToString().c_str(),
@@ -498,6 +501,7 @@ int Run() {
     }
     o.matmul = *matmul;
     o.weight_dtype = *weights;
+    o.int8_lm_head = absl::GetFlag(FLAGS_int8_lm_head);
   }
   o.prefill_chunk_tokens = absl::GetFlag(FLAGS_chunk);
   o.layers.eager_load = absl::GetFlag(FLAGS_eager);

@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   const vlm::GemvPath bf16_path = vlm::DefaultGemvPath();
   std::printf("vlm-bench-gemv-int8: %d layers, %d reps, %d threads, load average %s\n", layers,
               reps, threads, vlm::bench::LoadAverage().c_str());
-  std::printf("bf16: vlm::Gemv %s; int8: GemvInt8 %s (activations per block of 32)\n",
+  std::printf("bf16: vlm::Gemv %s; int8: GemvInt8 %s (weights int8 and activations int16 per group of 32)\n",
               vlm::GemvPathName(bf16_path), vlm::kernels::GemvInt8PathName(int8_path));
 
   const auto t0 = Clock::now();
@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
   std::vector<vlm::kernels::QuantizedWeight> head8;
   add(head16, head8, kHead, 99999);
   vlm::bench::ReadBound bound(size_t{512} << 20);
-  std::printf("weights per step: bf16 %.2f GB, int8 %.2f GB (rows + f32 scales); filled and "
+  std::printf("weights per step: bf16 %.2f GB, int8 %.2f GB (rows + scales); filled and "
               "quantized in %.1f s\n\n",
               bytes16 / 1e9, bytes8 / 1e9,
               std::chrono::duration<double>(Clock::now() - t0).count());

@@ -44,11 +44,12 @@ void Check(const absl::Status& s) { TORCH_CHECK(s.ok(), "kernel: ", s.ToString()
 // independent, so any grouping gives the same row results.
 constexpr int64_t kInt8Rows = 8;
 
-// y = x·wᵀ over int8 weights, in groups of kInt8Rows rows. x: [R, K] bf16,
-// y: [R, N] (allocated bf16 when undefined).
-at::Tensor Int8Rows(const at::Tensor& x, const kernels::QuantizedWeight& w) {
+// y = x·wᵀ over int8 weights, in groups of kInt8Rows rows. x: [R, K] bf16 or
+// f32, y: [R, N] of `dtype`.
+at::Tensor Int8Rows(const at::Tensor& x, const kernels::QuantizedWeight& w,
+                    at::ScalarType dtype = at::kBFloat16) {
   const int64_t r = x.size(0);
-  at::Tensor y = at::empty({r, w.n()}, x.options());
+  at::Tensor y = at::empty({r, w.n()}, x.options().dtype(dtype));
   for (int64_t i = 0; i < r; i += kInt8Rows) {
     const int64_t rows = std::min(kInt8Rows, r - i);
     at::Tensor part = y.narrow(0, i, rows);
@@ -276,22 +277,36 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
 
   d->use_gemv_ = options.use_gemv && dtype == at::kBFloat16;
 
-  // The LM head on the packed GEMM with the layers (packed or int8 forms).
+  // The LM head: int8 with int8 layers (int8_lm_head), else on the packed
+  // GEMM with the layers (packed or int8 forms). Either way lookups read
+  // single embedding rows from the mapping from now on; the head's dense
+  // pages are no longer needed in memory.
   std::string head_note =
       d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear";
-  if (options.packed_head && layer_options.form != ProjectionForm::kDense &&
-      kernels::DefaultGemmPath() != kernels::GemmPath::kTorch) {
+  const bool int8_head = layer_options.form == ProjectionForm::kInt8 && options.int8_lm_head;
+  if (int8_head || (options.packed_head && layer_options.form != ProjectionForm::kDense &&
+                    kernels::DefaultGemmPath() != kernels::GemmPath::kTorch)) {
     try {
-      absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(d->lm_head_);
-      if (!head.ok()) return head.status();
-      d->packed_head_ = *std::move(head);
-      // Lookups read single embedding rows from the mapping from now on; the
-      // head's dense pages are no longer needed in memory.
+      uint64_t head_bytes = 0;
+      if (int8_head) {
+        absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(d->lm_head_);
+        if (!head.ok()) return head.status();
+        d->lm_head8_ = *std::move(head);
+        head_bytes = d->lm_head8_.bytes();
+        head_note = absl::StrCat("int8 (gemv_int8/",
+                                 kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
+      } else {
+        absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(d->lm_head_);
+        if (!head.ok()) return head.status();
+        d->packed_head_ = *std::move(head);
+        head_bytes = d->packed_head_.bytes();
+        head_note = absl::StrCat("gemm/", kernels::GemmPathName(d->packed_head_.path()));
+      }
       if (d->tied_) {
-        d->embedding_bytes_ += d->packed_head_.bytes();
+        d->embedding_bytes_ += head_bytes;
         (void)ckpt.Evict(embed_source);  // view or converted: drops the mapped pages
       } else {
-        d->embedding_bytes_ += d->packed_head_.bytes() - d->lm_head_.nbytes();
+        d->embedding_bytes_ += head_bytes - d->lm_head_.nbytes();
         (void)ckpt.Evict(head_name);
         d->lm_head_ = at::Tensor();
       }
@@ -299,7 +314,6 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     } catch (const c10::Error& e) {
       return Internal("LM head packing", e);
     }
-    head_note = absl::StrCat("gemm/", kernels::GemmPathName(d->packed_head_.path()));
   }
   d->load_summary_ = absl::StrCat(
       "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
@@ -323,7 +337,9 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
 }
 
 uint64_t Decoder::decode_weight_bytes() const {
-  const uint64_t head = packed_head_.empty() ? lm_head_.nbytes() : packed_head_.bytes();
+  const uint64_t head = !lm_head8_.empty()     ? lm_head8_.bytes()
+                        : !packed_head_.empty() ? packed_head_.bytes()
+                                                : lm_head_.nbytes();
   return layers_->total_bytes() + head + final_norm_.nbytes();
 }
 
@@ -455,6 +471,15 @@ at::Tensor Decoder::RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) con
 
 at::Tensor Decoder::Head(const at::Tensor& hidden) const {
   // hidden: [R, hidden] (after the final norm) -> [R, vocab] float32
+  if (!lm_head8_.empty()) {
+    const int64_t r = hidden.size(0);
+    at::Tensor logits = at::empty({r, vocab_size()}, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t i = 0; i < r; i += kInt8Rows) {
+      at::Tensor y = logits.narrow(0, i, std::min(kInt8Rows, r - i));
+      Check(kernels::GemvInt8(hidden.narrow(0, i, y.size(0)), lm_head8_, &y));
+    }
+    return logits;
+  }
   if (!packed_head_.empty()) {
     kernels::GemmOptions options;
     options.out_dtype = at::kFloat;
@@ -1031,8 +1056,8 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
     // --- final norm and LM head (§5.4) for the rows that want logits --------
     at::Tensor hidden =
         RowRmsNorm(x.index_select(0, at::tensor(logit_rows, long_opts)), final_norm_, eps);
-    // Packed Gemm or Gemv: per-row results (row-invariant).
-    if (use_gemv_ || !packed_head_.empty()) return Head(hidden);
+    // GemvInt8, packed Gemm or Gemv: per-row results (row-invariant).
+    if (use_gemv_ || !packed_head_.empty() || !lm_head8_.empty()) return Head(hidden);
     return RowLinear(hidden, lm_head_).to(at::kFloat);
   } catch (const c10::Error& e) {
     return Internal("forward", e);

@@ -55,12 +55,15 @@ const char* MatmulPathName(MatmulPath path);  // "auto", "kernels", "torch"
 // "auto", "kernels", "torch"; INVALID_ARGUMENT names the accepted values.
 absl::StatusOr<MatmulPath> ParseMatmulPath(std::string_view value);
 
-// Storage of the decoder layers' seven projections (norms, embeddings and the
-// LM head stay in the compute dtype whatever this says).
+// Storage of the decoder layers' seven projections (norms and embeddings stay
+// in the compute dtype whatever this says).
 //   bf16  as the compute dtype says (and --matmul decides the form).
-//   int8  symmetric per output channel, quantized at layer materialization
-//         (dense pages released after); every row through kernels::GemvInt8
-//         in groups of 8 rows (row-invariant), whatever MatmulPath says.
+//   int8  symmetric, one scale per group of 32 along K (kernels/quantize.h),
+//         quantized at layer materialization (dense pages released after);
+//         every row through kernels::GemvInt8 (int16 activations) in groups
+//         of 8 rows (row-invariant), whatever MatmulPath says. The LM head
+//         too when DecoderOptions::int8_lm_head (an int8 copy made at Load;
+//         the bf16 table stays for embedding lookups, which touch few pages).
 //         Needs the bf16 compute dtype (Load rejects f32: the f32 path is the
 //         fidelity reference and stays unquantized).
 enum class WeightDType { kBFloat16, kInt8 };
@@ -89,6 +92,10 @@ struct DecoderOptions {
   bool touch_embedding = false;
   MatmulPath matmul = MatmulPath::kAuto;
   WeightDType weight_dtype = WeightDType::kBFloat16;
+  // With weight_dtype int8: the LM head in int8 as well (halves its 622 MB
+  // read per decode step on the 2B model; logits cosine 0.99998 against the
+  // bf16 head on the synthetic 2B checkpoint, scripts/bench/int8_fidelity.py).
+  bool int8_lm_head = true;
   // layers.form is set by Load from matmul and weight_dtype.
   LayerStoreOptions layers;
 };
@@ -304,10 +311,12 @@ class Decoder {
   std::unique_ptr<MultimodalRotary> rotary_;
   at::Tensor embed_tokens_;  // [vocab, hidden] compute dtype
   at::Tensor lm_head_;       // [vocab, hidden]: embed_tokens_ itself when tied
+  kernels::QuantizedWeight lm_head8_;  // int8 copy of lm_head_ (int8_lm_head), else empty
   // The LM head packed for kernels::Gemm when the layers are packed or int8
   // and a blocked GEMM path exists (packed at Load; the dense head's mapped
   // pages are released): Gemm reads each head weight once for every row of a
-  // pass, where vlm::Gemv rereads it per 4 rows. Empty otherwise.
+  // pass, where vlm::Gemv rereads it per 4 rows. Empty otherwise (and with
+  // the int8 head).
   kernels::PackedWeight packed_head_;
   at::Tensor final_norm_;    // [hidden]
   bool tied_ = true;
