@@ -18,13 +18,14 @@
 //      count, so this table stays meaningful on a machine shared with other
 //      work; kernel, old and at::linear (1 intra-op thread) against the
 //      1-thread peak measured the same way.
-//   4. "No cliffs": every M in 1..--cliff_max on 2048->6144, time per row on
+//   4. "No cliffs": every M in --cliff_min..--cliff_max on 2048->6144, time per row on
 //      one thread in thread CPU time (the shape's tiling decides cliffs, and
 //      thread CPU time keeps other processes' load out of the comparison);
 //      a cliff is a step M-1 -> M where the time per row rises by more than
 //      1.3x. Summarised per 64 rows; flagged M listed.
 //
 // Usage: vlm-bench-gemm [--threads 2] [--reps 3] [--cliff_max 1024] [--cliff_reps 3]
+//                       [--cliff_min 1] (the cliff table over cliff_min..cliff_max)
 //                       [--wall 1]  (--wall 0: skip tables 1 and 2)
 //                       [--shapes 0,1,2,3] (fc1, fc2, gate/up, q/o) [--ms 64,...,2048]
 //                       [--small_ms 1,4,8,16] [--cpu_ms 1,4,8,16,256,1024]
@@ -520,6 +521,8 @@ int main(int argc, char** argv) {
   const int threads = ArgInt(argc, argv, "--threads", 2);
   const int reps = std::max(1, ArgInt(argc, argv, "--reps", 3));
   const int cliff_max = ArgInt(argc, argv, "--cliff_max", 1024);
+  // First M of the cliff table (M = cliff_min - 1 is timed too, for the first step).
+  const int cliff_min = std::max(1, ArgInt(argc, argv, "--cliff_min", 1));
   const int cliff_reps = std::max(1, ArgInt(argc, argv, "--cliff_reps", 3));
   const bool wall_tables = ArgInt(argc, argv, "--wall", 1) != 0;
   const std::vector<int64_t> wall_ms =
@@ -679,7 +682,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<double>> tk(cliff_max + 1), tt(cliff_max + 1);
     at::set_num_threads(1);
     for (int r = 0; r < cliff_reps; ++r) {
-      for (int64_t m = 1; m <= cliff_max; ++m) {
+      for (int64_t m = std::max(1, cliff_min - 1); m <= cliff_max; ++m) {
         p.x = x_all.narrow(0, 0, m);
         p.y = y_all.narrow(0, 0, m);
         tk[m].push_back(ThreadCpuSeconds([&] { RunKernel(p, 1, std::nullopt); }));
@@ -687,26 +690,26 @@ int main(int argc, char** argv) {
       }
     }
     std::vector<double> rk(cliff_max + 1), rt(cliff_max + 1);  // µs per row
-    for (int64_t m = 1; m <= cliff_max; ++m) {
+    for (int64_t m = std::max(1, cliff_min - 1); m <= cliff_max; ++m) {
       rk[m] = Median(tk[m]) * 1e6 / m;
       rt[m] = Median(tt[m]) * 1e6 / m;
     }
-    std::printf("\n## No cliffs: 2048->6144, every M in 1..%d, one thread, time per row (µs of "
+    std::printf("\n## No cliffs: 2048->6144, every M in %d..%d, one thread, time per row (µs of "
                 "thread CPU time, median of %d), default path %s vs at::linear\n",
-                cliff_max, cliff_reps, vlm::kernels::GemmPathName(vlm::kernels::DefaultGemmPath()));
+                cliff_min, cliff_max, cliff_reps, vlm::kernels::GemmPathName(vlm::kernels::DefaultGemmPath()));
     std::printf("A cliff: the time per row rises by more than 1.3x from M-1 to M.\n\n");
     std::printf("| M range | kernel µs/row min..max | kernel worst rise | kernel cliffs | at::linear µs/row min..max | at::linear worst rise | at::linear cliffs |\n");
     std::printf("|---|---|---|---|---|---|---|\n");
     std::vector<int64_t> flagged_k, flagged_t;
     double worst_k = 0, worst_t = 0;
-    for (int64_t lo = 1; lo <= cliff_max; lo += 64) {
+    for (int64_t lo = cliff_min; lo <= cliff_max; lo += 64) {
       const int64_t hi = std::min<int64_t>(cliff_max, lo + 63);
       double kmin = 1e30, kmax = 0, tmin = 1e30, tmax = 0, kr = 0, trr = 0;
       int kc = 0, tc = 0;
       for (int64_t m = lo; m <= hi; ++m) {
         kmin = std::min(kmin, rk[m]), kmax = std::max(kmax, rk[m]);
         tmin = std::min(tmin, rt[m]), tmax = std::max(tmax, rt[m]);
-        if (m > 1) {
+        if (m > 1 && m - 1 >= std::max(1, cliff_min - 1)) {
           const double a = rk[m] / rk[m - 1], b = rt[m] / rt[m - 1];
           kr = std::max(kr, a), trr = std::max(trr, b);
           if (a > 1.3) ++kc, flagged_k.push_back(m);
