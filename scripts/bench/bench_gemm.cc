@@ -604,18 +604,20 @@ int main(int argc, char** argv) {
         std::vector<double> tk, to, ta, tt, pk;
         for (int r = 0; r <= reps; ++r) {  // r = 0 warms up
           const double e = PeakAvx512Bf16(threads, 4'000'000);
-          const double a = Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunKernel(p, threads, GemmPath::kAvx512Bf16);
-          });
-          const double b = Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunOld(p, threads);
-          });
-          const double c = have_amx ? Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunKernel(p, threads, GemmPath::kAmx);
-          }) : 0;
-          const double d = Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunTorch(p);
-          });
+          // Each implementation runs once untimed right before its timing, so
+          // each starts with its threads awake (the peak loop above lets the
+          // kernels' pool go to sleep; a single ~1 ms GEMM would otherwise
+          // carry the wake-up, and only the first one timed after the peak).
+          auto timed = [&](const std::function<void()>& run) {
+            run();
+            return Seconds([&] {
+              for (int i = 0; i < inner; ++i) run();
+            });
+          };
+          const double a = timed([&] { RunKernel(p, threads, GemmPath::kAvx512Bf16); });
+          const double b = timed([&] { RunOld(p, threads); });
+          const double c = have_amx ? timed([&] { RunKernel(p, threads, GemmPath::kAmx); }) : 0;
+          const double d = timed([&] { RunTorch(p); });
           if (r == 0) continue;
           tk.push_back(a / inner), to.push_back(b / inner), ta.push_back(c / inner),
               tt.push_back(d / inner), pk.push_back(e);
