@@ -287,7 +287,24 @@ namespace {
 // through L2 and L1 slice by slice (measured on Zen 4, one thread: 8 panels
 // beat the earlier ~384 KiB-per-chunk rule, which gave 1 panel at K = 4096).
 constexpr int64_t kPanelsPerChunk = 8;
-constexpr int64_t kRowsPerTask = 96;  // multiple of 12 (avx512bf16) and 32 (amx)
+constexpr int64_t kRowsPerTask = 96;  // amx: a multiple of its 32-row blocks
+// avx512bf16: at most this many 12-row tiles per task, the M rows cut into
+// row blocks of equal tile counts. Each task streams its chunk's panels once
+// per row block, and each panel slice is cold in L1 only for a block's first
+// tile, so taller blocks waste less (measured on Zen 4 against 8-tile blocks:
+// 3-8% less time at M = 1024, the same at M = 256). 24 tiles x 8 panels keep
+// a task's f32 sums at 288 KiB and its x slices at 306 KiB, inside a 1 MiB L2.
+constexpr int64_t kMaxTilesPerTask = 24;
+
+// Rows per task for `m` rows on `path`: avx512bf16 tiles split evenly over
+// the fewest row blocks of at most kMaxTilesPerTask tiles (a block boundary
+// never changes what a row computes).
+int64_t RowsPerTask(GemmPath path, int64_t m) {
+  if (path == GemmPath::kAmx) return kRowsPerTask;
+  const int64_t tiles = (m + internal::kMicroRows - 1) / internal::kMicroRows;
+  const int64_t blocks = (tiles + kMaxTilesPerTask - 1) / kMaxTilesPerTask;
+  return (tiles + blocks - 1) / blocks * internal::kMicroRows;
+}
 
 absl::Status RunTorch(const at::Tensor& x, const PackedWeight::Impl& w, const at::Tensor& y,
                       const GemmOptions& o) {
@@ -391,7 +408,8 @@ absl::Status GemmImpl(const at::Tensor& x, const PackedWeight& pw, at::Tensor* y
 
   const int64_t chunk = kPanelsPerChunk;
   const int64_t chunks = (w.count + chunk - 1) / chunk;
-  const int64_t row_blocks = (m + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t rows_per_task = RowsPerTask(path, m);
+  const int64_t row_blocks = (m + rows_per_task - 1) / rows_per_task;
   auto block = path == GemmPath::kAmx ? internal::AmxBlock : internal::Avx512Bf16Block;
   // Task t: row block t / chunks, panel chunk t % chunks. A thread's
   // contiguous share is whole row blocks (its rows of x stay in its L2 while
@@ -401,7 +419,7 @@ absl::Status GemmImpl(const at::Tensor& x, const PackedWeight& pw, at::Tensor* y
   ParallelFor(chunks * row_blocks, o.threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / chunks, c = t % chunks;
-      block(p, b * kRowsPerTask, std::min(m, (b + 1) * kRowsPerTask), c * chunk,
+      block(p, b * rows_per_task, std::min(m, (b + 1) * rows_per_task), c * chunk,
             std::min(w.count, (c + 1) * chunk));
     }
   });

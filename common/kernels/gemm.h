@@ -6,7 +6,7 @@
 // Paths, chosen at run time (GemmPath):
 //   avx512bf16  VDPBF16PS micro-kernel, 12 rows x 32 columns in registers; every
 //               CPU with AVX-512 BF16 (AMD Zen 4/5, Intel Cooper Lake and later).
-//               K runs in blocks of 256: per block x's rows are copied once
+//               K runs in blocks of 512: per block x's rows are copied once
 //               (a row stride that keeps a tile's rows in distinct L1 sets) and
 //               each 16 KiB panel slice serves every row tile from L1; calls of
 //               fewer than 12 rows walk each panel over the whole K instead.

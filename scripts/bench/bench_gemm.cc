@@ -3,9 +3,9 @@
 // peak measured in the same run by a register-only micro-kernel (AVX-512 BF16
 // VDPBF16PS loop; AMX TDPBF16PS tile loop where the CPU has AMX).
 //
-// "old" is the first avx512bf16 block kernel (rows of x read in place, K
-// unblocked up to 2560), frozen below so every run shows old and new side by
-// side; "kernel" is common/kernels' current one (Gemm, default avx512bf16).
+// "old" is the previous avx512bf16 block kernel (K blocks of 256, x copied per
+// block, 96-row x 8-panel tasks), frozen below so every run shows old and new
+// side by side; "kernel" is common/kernels' current one (Gemm, default avx512bf16).
 //
 // Tables (medians over --reps; implementations interleaved per repetition so
 // load from other processes hits them alike):
@@ -18,14 +18,18 @@
 //      count, so this table stays meaningful on a machine shared with other
 //      work; kernel, old and at::linear (1 intra-op thread) against the
 //      1-thread peak measured the same way.
-//   4. "No cliffs": every M in 1..--cliff_max on 2048->6144, time per row on
+//   4. "No cliffs": every M in --cliff_min..--cliff_max on 2048->6144, time per row on
 //      one thread in thread CPU time (the shape's tiling decides cliffs, and
 //      thread CPU time keeps other processes' load out of the comparison);
 //      a cliff is a step M-1 -> M where the time per row rises by more than
 //      1.3x. Summarised per 64 rows; flagged M listed.
 //
 // Usage: vlm-bench-gemm [--threads 2] [--reps 3] [--cliff_max 1024] [--cliff_reps 3]
+//                       [--cliff_min 1] (the cliff table over cliff_min..cliff_max)
 //                       [--wall 1]  (--wall 0: skip tables 1 and 2)
+//                       [--shapes 0,1,2,3] (fc1, fc2, gate/up, q/o) [--ms 64,...,2048]
+//                       [--small_ms 1,4,8,16] [--cpu_ms 1,4,8,16,256,1024]
+//                       (an empty list, e.g. --cpu_ms "", skips that table)
 // GCC 12 AVX-512 headers warn about their own "undefined" vectors when inlined.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -42,6 +46,7 @@
 #include <ctime>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -183,17 +188,17 @@ double PeakAmx(int threads) {
 }
 
 // --- the old block kernel (frozen copy, for the side-by-side columns) --------
-namespace v1 {
+namespace old {
 
 using vlm::kernels::internal::kMicroRows;
 using vlm::kernels::internal::kPanelCols;
 
-#define V1_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define OLD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // R rows x P panels, x read in place (row stride ld_x); accumulate: continue
 // the sums in out (a previous K block).
 template <int R, int P>
-V1_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
+OLD_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
                             int64_t panel_stride, float* out, bool accumulate) {
   __m512 acc[P][2][R];
 #pragma GCC unroll 8
@@ -253,7 +258,7 @@ V1_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const ui
 constexpr int PanelsFor(int rows) { return rows == 1 ? 6 : rows == 2 ? 3 : rows <= 5 ? 2 : 1; }
 
 template <int R, int P = PanelsFor(R)>
-V1_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
+OLD_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
                          int64_t panel_stride, int panels, float* out, bool accumulate) {
   if constexpr (P > 1) {
     if (panels < P) {
@@ -264,7 +269,7 @@ V1_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint1
 }
 
 template <int R>
-V1_TARGET void Dispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
+OLD_TARGET void Dispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                         const uint16_t* panel, int64_t stride, int panels, float* acc,
                         bool accumulate = false) {
   if constexpr (R > 1) {
@@ -273,54 +278,142 @@ V1_TARGET void Dispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
   MicroRows<R>(x, ld_x, k, panel, stride, panels, acc, accumulate);
 }
 
-// The old Avx512Bf16Block: K ≤ 2560 in one pass per row tile; longer K in
-// blocks of 1024 with the row tile's x slice read in place.
-V1_TARGET void Block(const vlm::kernels::internal::Problem& p, int64_t m0, int64_t m1, int64_t j0,
+// MicroPacked: Micro on a copied x slice (row stride kXStride, even length);
+// kPrefetch also pulls the next panel slice into L2, two lines per pair.
+constexpr int64_t kKBlock = 256;
+constexpr int64_t kXStride = kKBlock + 32;
+
+template <int R, int P, bool kPrefetch = false>
+OLD_TARGET inline void MicroPacked(const uint16_t* x, int64_t k, const uint16_t* panel,
+                                  int64_t panel_stride, float* out, bool accumulate,
+                                  const uint16_t* prefetch = nullptr) {
+  __m512 acc[P][2][R];
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if (accumulate) {
+        acc[q][0][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols);
+        acc[q][1][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16);
+      } else {
+        acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
+      }
+    }
+  const int64_t pairs = (k + 1) / 2;
+  const uint16_t* b = panel;
+  for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
+    if constexpr (kPrefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols + kPanelCols),
+                   _MM_HINT_T1);
+    }
+    __m512bh bv[P][2];
+#pragma GCC unroll 8
+    for (int q = 0; q < P; ++q) {
+      bv[q][0] = (__m512bh)_mm512_load_si512(b + q * panel_stride);
+      bv[q][1] = (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t v;
+      std::memcpy(&v, x + r * kXStride + 2 * p, sizeof v);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(v);
+#pragma GCC unroll 8
+      for (int q = 0; q < P; ++q) {
+        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a, bv[q][0]);
+        acc[q][1][r] = _mm512_dpbf16_ps(acc[q][1][r], a, bv[q][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int q = 0; q < P; ++q)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols, acc[q][0][r]);
+      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16, acc[q][1][r]);
+    }
+}
+
+// The previous Avx512Bf16Block: K in blocks of 256, x slices copied per block
+// at a 576-byte row stride, panel slices reused from L1 across row tiles,
+// fewer than 12 rows walk each panel over the whole K.
+OLD_TARGET void Block(const vlm::kernels::internal::Problem& p, int64_t m0, int64_t m1, int64_t j0,
                      int64_t j1) {
   const int64_t stride = p.w.kpairs * 2 * kPanelCols;
   const int64_t k = p.w.k;
-  if (k <= 2560) {
-    alignas(64) float acc[6 * kMicroRows * kPanelCols];
-    for (int64_t m = m0; m < m1; m += kMicroRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(m1 - m, kMicroRows));
-      const int group = PanelsFor(rows);
-      for (int64_t j = j0; j < j1; j += group) {
-        const int panels = static_cast<int>(std::min<int64_t>(j1 - j, group));
-        Dispatch<kMicroRows>(p.x + m * p.ld_x, p.ld_x, rows, k, p.w.panel(j), stride, panels,
-                             acc);
-        for (int q = 0; q < panels; ++q) {
-          vlm::kernels::internal::StoreTile(p.epilogue, m, rows, j + q,
-                                            acc + q * kMicroRows * kPanelCols);
+  const int64_t panels = j1 - j0;
+  const int64_t full_tiles = (m1 - m0) / kMicroRows;
+  const int tail_rows = static_cast<int>((m1 - m0) % kMicroRows);
+  constexpr int64_t kTile = kMicroRows * kPanelCols;
+  thread_local std::vector<uint16_t> x_buf;
+  thread_local std::vector<float> sums_buf;
+  const int64_t ld_tail = (k + 31) / 32 * 32 + 32;
+  x_buf.resize(static_cast<size_t>(std::max((m1 - m0) * kXStride, tail_rows * ld_tail) + 32));
+  uint16_t* xs = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(x_buf.data()) + 63) & ~uintptr_t{63});
+  if (full_tiles > 0) {
+    const int64_t tiles = full_tiles + (tail_rows > 0 ? 1 : 0);
+    sums_buf.resize(static_cast<size_t>((tiles * panels + 6) * kTile + 16));
+    float* sums = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
+    const int group = tail_rows > 0 ? PanelsFor(tail_rows) : 1;
+    for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
+      const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
+      const bool accumulate = k0 > 0;
+      for (int64_t r = 0; r < m1 - m0; ++r) {
+        uint16_t* dst = xs + r * kXStride;
+        std::memcpy(dst, p.x + (m0 + r) * p.ld_x + k0, kc * sizeof(uint16_t));
+        if (kc & 1) dst[kc] = 0;
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const uint16_t* w = p.w.panel(j) + k0 * kPanelCols;
+        const uint16_t* next =
+            j + 1 < j1 ? w + stride : p.w.panel(j0) + (k0 + kKBlock) * kPanelCols;
+        const bool prefetch = j + 1 < j1 || k0 + kKBlock < k;
+        for (int64_t t = 0; t < full_tiles; ++t) {
+          float* out = sums + (t * panels + (j - j0)) * kTile;
+          if (t == 0 && prefetch) {
+            MicroPacked<kMicroRows, 1, true>(xs, kc, w, stride, out, accumulate, next);
+          } else {
+            MicroPacked<kMicroRows, 1>(xs + t * kMicroRows * kXStride, kc, w, stride, out,
+                                       accumulate);
+          }
+        }
+      }
+      if (tail_rows > 0) {
+        for (int64_t j = j0; j < j1; j += group) {
+          const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
+          Dispatch<kMicroRows>(xs + full_tiles * kMicroRows * kXStride, kXStride, tail_rows, kc,
+                               p.w.panel(j) + k0 * kPanelCols, stride, n,
+                               sums + (full_tiles * panels + (j - j0)) * kTile, accumulate);
         }
       }
     }
-  } else {
-    thread_local std::vector<float> sums_buf;
-    sums_buf.resize(static_cast<size_t>((j1 - j0 + 6) * kMicroRows * kPanelCols + 16));
-    float* sums = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
-    for (int64_t m = m0; m < m1; m += kMicroRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(m1 - m, kMicroRows));
-      const int group = PanelsFor(rows);
-      for (int64_t k0 = 0; k0 < k; k0 += 1024) {
-        const int64_t kc = std::min<int64_t>(k - k0, 1024);
-        for (int64_t j = j0; j < j1; j += group) {
-          const int panels = static_cast<int>(std::min<int64_t>(j1 - j, group));
-          Dispatch<kMicroRows>(p.x + m * p.ld_x + k0, p.ld_x, rows, kc,
-                               p.w.panel(j) + k0 * kPanelCols, stride, panels,
-                               sums + (j - j0) * kMicroRows * kPanelCols, k0 > 0);
-        }
-      }
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = t < full_tiles ? kMicroRows : tail_rows;
       for (int64_t j = j0; j < j1; ++j) {
-        vlm::kernels::internal::StoreTile(p.epilogue, m, rows, j,
-                                          sums + (j - j0) * kMicroRows * kPanelCols);
+        vlm::kernels::internal::StoreTile(p.epilogue, m0 + t * kMicroRows, rows, j,
+                                          sums + (t * panels + (j - j0)) * kTile);
+      }
+    }
+  } else {
+    for (int r = 0; r < tail_rows; ++r) {
+      std::memcpy(xs + r * ld_tail, p.x + (m0 + r) * p.ld_x, k * sizeof(uint16_t));
+    }
+    const int group = PanelsFor(tail_rows);
+    alignas(64) float acc[6 * kTile];
+    for (int64_t j = j0; j < j1; j += group) {
+      const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
+      Dispatch<kMicroRows>(xs, ld_tail, tail_rows, k, p.w.panel(j), stride, n, acc);
+      for (int q = 0; q < n; ++q) {
+        vlm::kernels::internal::StoreTile(p.epilogue, m0, tail_rows, j + q, acc + q * kTile);
       }
     }
   }
   _mm256_zeroupper();
 }
 
-// The old work split: 96-row blocks x chunks of panels that fill ~384 KiB.
+// The previous work split: 96-row blocks x chunks of 8 panels.
 struct Weight {
   std::vector<uint16_t, std::allocator<uint16_t>> storage;
   vlm::kernels::internal::Panels panels;
@@ -343,7 +436,7 @@ Weight Pack(const at::Tensor& w_bf16) {
 }
 
 void Run(const at::Tensor& x, const Weight& w, at::Tensor& y, int threads) {
-  const int64_t m = x.size(0), n = y.size(1), k = w.panels.k;
+  const int64_t m = x.size(0), n = y.size(1);
   vlm::kernels::internal::Problem p;
   p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
   p.ld_x = x.stride(0);
@@ -352,7 +445,7 @@ void Run(const at::Tensor& x, const Weight& w, at::Tensor& y, int threads) {
   p.epilogue.y_bf16 = true;
   p.epilogue.ld_y = y.stride(0);
   p.epilogue.n = n;
-  const int64_t chunk = std::clamp<int64_t>((384 << 10) / (k * 2 * kPanelCols), 1, 8);
+  const int64_t chunk = 8;
   const int64_t chunks = (w.panels.count + chunk - 1) / chunk;
   const int64_t row_blocks = (m + 95) / 96;
   vlm::kernels::ParallelFor(chunks * row_blocks, threads, 1, [&](int64_t t0, int64_t t1) {
@@ -364,13 +457,13 @@ void Run(const at::Tensor& x, const Weight& w, at::Tensor& y, int threads) {
   });
 }
 
-}  // namespace v1
+}  // namespace old
 
 // --- implementations ---------------------------------------------------------
 struct Problem {
   at::Tensor x, w;       // bf16 [M, K], [N, K]
   PackedWeight packed;   // avx512bf16 layout (amx reads the same)
-  v1::Weight old;        // the same panels, for the old kernel
+  old::Weight old;        // the same panels, for the old kernel
   at::Tensor y;          // bf16 [M, N]
 };
 
@@ -380,7 +473,7 @@ Problem MakeProblem(int64_t n, int64_t k) {
   absl::StatusOr<PackedWeight> packed = PackedWeight::Pack(p.w, {}, GemmPath::kAvx512Bf16);
   if (!packed.ok()) std::abort();
   p.packed = *packed;
-  p.old = v1::Pack(p.w);
+  p.old = old::Pack(p.w);
   return p;
 }
 
@@ -391,13 +484,31 @@ void RunKernel(Problem& p, int threads, std::optional<GemmPath> path) {
   if (!Gemm(p.x, p.packed, &p.y, o).ok()) std::abort();
 }
 
-void RunOld(Problem& p, int threads) { v1::Run(p.x, p.old, p.y, threads); }
+void RunOld(Problem& p, int threads) { old::Run(p.x, p.old, p.y, threads); }
 
 void RunTorch(Problem& p) { at::linear_out(p.y, p.x, p.w); }
 
 int ArgInt(int argc, char** argv, const char* name, int fallback) {
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], name) == 0) return std::atoi(argv[i + 1]);
+  }
+  return fallback;
+}
+
+// A comma-separated list of integers ("256,1024"), or `fallback` when absent.
+std::vector<int64_t> ArgList(int argc, char** argv, const char* name,
+                             std::vector<int64_t> fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], name) != 0) continue;
+    std::vector<int64_t> v;
+    for (const char* s = argv[i + 1]; *s != '\0';) {
+      char* end = nullptr;
+      const long long x = std::strtoll(s, &end, 10);
+      if (end == s) break;
+      v.push_back(x);
+      s = *end == ',' ? end + 1 : end;
+    }
+    return v;
   }
   return fallback;
 }
@@ -410,8 +521,16 @@ int main(int argc, char** argv) {
   const int threads = ArgInt(argc, argv, "--threads", 2);
   const int reps = std::max(1, ArgInt(argc, argv, "--reps", 3));
   const int cliff_max = ArgInt(argc, argv, "--cliff_max", 1024);
+  // First M of the cliff table (M = cliff_min - 1 is timed too, for the first step).
+  const int cliff_min = std::max(1, ArgInt(argc, argv, "--cliff_min", 1));
   const int cliff_reps = std::max(1, ArgInt(argc, argv, "--cliff_reps", 3));
   const bool wall_tables = ArgInt(argc, argv, "--wall", 1) != 0;
+  const std::vector<int64_t> wall_ms =
+      ArgList(argc, argv, "--ms", {64, 128, 256, 512, 1024, 2048});
+  const std::vector<int64_t> small_ms = ArgList(argc, argv, "--small_ms", {1, 4, 8, 16});
+  const std::vector<int64_t> cpu_ms =
+      ArgList(argc, argv, "--cpu_ms", {1, 4, 8, 16, 256, 1024});
+  const std::vector<int64_t> shape_ids = ArgList(argc, argv, "--shapes", {0, 1, 2, 3});
   at::set_num_threads(threads);
   at::manual_seed(7);
 
@@ -457,11 +576,15 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t k, n;
   };
-  const Shape shapes[] = {{"ViT fc1 1024->4096", 1024, 4096},
+  const Shape all_shapes[] = {{"ViT fc1 1024->4096", 1024, 4096},
                           {"ViT fc2 4096->1024", 4096, 1024},
                           {"decoder gate/up 2048->6144", 2048, 6144},
                           {"decoder q/o 2048->2048", 2048, 2048}};
-  auto wall_table = [&](const char* title, std::initializer_list<int64_t> ms) {
+  std::vector<Shape> shapes;
+  for (int64_t i : shape_ids) {
+    if (i >= 0 && i < static_cast<int64_t>(std::size(all_shapes))) shapes.push_back(all_shapes[i]);
+  }
+  auto wall_table = [&](const char* title, const std::vector<int64_t>& ms) {
     // The peak loop runs once per repetition too, between the implementations,
     // so "% of peak" compares numbers taken under the same load.
     std::printf("\n## %s: GFLOP/s, bf16, %d threads, wall time (median of %d); peak: the "
@@ -481,18 +604,20 @@ int main(int argc, char** argv) {
         std::vector<double> tk, to, ta, tt, pk;
         for (int r = 0; r <= reps; ++r) {  // r = 0 warms up
           const double e = PeakAvx512Bf16(threads, 4'000'000);
-          const double a = Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunKernel(p, threads, GemmPath::kAvx512Bf16);
-          });
-          const double b = Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunOld(p, threads);
-          });
-          const double c = have_amx ? Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunKernel(p, threads, GemmPath::kAmx);
-          }) : 0;
-          const double d = Seconds([&] {
-            for (int i = 0; i < inner; ++i) RunTorch(p);
-          });
+          // Each implementation runs once untimed right before its timing, so
+          // each starts with its threads awake (the peak loop above lets the
+          // kernels' pool go to sleep; a single ~1 ms GEMM would otherwise
+          // carry the wake-up, and only the first one timed after the peak).
+          auto timed = [&](const std::function<void()>& run) {
+            run();
+            return Seconds([&] {
+              for (int i = 0; i < inner; ++i) run();
+            });
+          };
+          const double a = timed([&] { RunKernel(p, threads, GemmPath::kAvx512Bf16); });
+          const double b = timed([&] { RunOld(p, threads); });
+          const double c = have_amx ? timed([&] { RunKernel(p, threads, GemmPath::kAmx); }) : 0;
+          const double d = timed([&] { RunTorch(p); });
           if (r == 0) continue;
           tk.push_back(a / inner), to.push_back(b / inner), ta.push_back(c / inner),
               tt.push_back(d / inner), pk.push_back(e);
@@ -509,12 +634,12 @@ int main(int argc, char** argv) {
     }
   };
   if (wall_tables) {
-    wall_table("Prefill and ViT sizes", {64, 128, 256, 512, 1024, 2048});
-    wall_table("Short prefill chunks", {1, 4, 8, 16});
+    if (!wall_ms.empty()) wall_table("Prefill and ViT sizes", wall_ms);
+    if (!small_ms.empty()) wall_table("Short prefill chunks", small_ms);
   }
 
   // --- one thread, per CPU-second ---
-  {
+  if (!cpu_ms.empty()) {
     at::set_num_threads(1);
     std::printf("\n## One thread, GFLOP per CPU-second of the thread (median of %d); 1-thread "
                 "peak %.0f\n\n", reps, peak1);
@@ -523,7 +648,7 @@ int main(int argc, char** argv) {
     std::printf("|---|---|---|---|---|---|---|---|\n");
     for (const Shape& s : shapes) {
       Problem p = MakeProblem(s.n, s.k);
-      for (int64_t m : {1, 4, 8, 16, 256, 1024}) {
+      for (int64_t m : cpu_ms) {
         p.x = at::randn({m, s.k}).to(at::kBFloat16);
         p.y = at::empty({m, s.n}, at::kBFloat16);
         const double flop = 2.0 * m * s.n * s.k;
@@ -559,7 +684,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<double>> tk(cliff_max + 1), tt(cliff_max + 1);
     at::set_num_threads(1);
     for (int r = 0; r < cliff_reps; ++r) {
-      for (int64_t m = 1; m <= cliff_max; ++m) {
+      for (int64_t m = std::max(1, cliff_min - 1); m <= cliff_max; ++m) {
         p.x = x_all.narrow(0, 0, m);
         p.y = y_all.narrow(0, 0, m);
         tk[m].push_back(ThreadCpuSeconds([&] { RunKernel(p, 1, std::nullopt); }));
@@ -567,26 +692,26 @@ int main(int argc, char** argv) {
       }
     }
     std::vector<double> rk(cliff_max + 1), rt(cliff_max + 1);  // µs per row
-    for (int64_t m = 1; m <= cliff_max; ++m) {
+    for (int64_t m = std::max(1, cliff_min - 1); m <= cliff_max; ++m) {
       rk[m] = Median(tk[m]) * 1e6 / m;
       rt[m] = Median(tt[m]) * 1e6 / m;
     }
-    std::printf("\n## No cliffs: 2048->6144, every M in 1..%d, one thread, time per row (µs of "
+    std::printf("\n## No cliffs: 2048->6144, every M in %d..%d, one thread, time per row (µs of "
                 "thread CPU time, median of %d), default path %s vs at::linear\n",
-                cliff_max, cliff_reps, vlm::kernels::GemmPathName(vlm::kernels::DefaultGemmPath()));
+                cliff_min, cliff_max, cliff_reps, vlm::kernels::GemmPathName(vlm::kernels::DefaultGemmPath()));
     std::printf("A cliff: the time per row rises by more than 1.3x from M-1 to M.\n\n");
     std::printf("| M range | kernel µs/row min..max | kernel worst rise | kernel cliffs | at::linear µs/row min..max | at::linear worst rise | at::linear cliffs |\n");
     std::printf("|---|---|---|---|---|---|---|\n");
     std::vector<int64_t> flagged_k, flagged_t;
     double worst_k = 0, worst_t = 0;
-    for (int64_t lo = 1; lo <= cliff_max; lo += 64) {
+    for (int64_t lo = cliff_min; lo <= cliff_max; lo += 64) {
       const int64_t hi = std::min<int64_t>(cliff_max, lo + 63);
       double kmin = 1e30, kmax = 0, tmin = 1e30, tmax = 0, kr = 0, trr = 0;
       int kc = 0, tc = 0;
       for (int64_t m = lo; m <= hi; ++m) {
         kmin = std::min(kmin, rk[m]), kmax = std::max(kmax, rk[m]);
         tmin = std::min(tmin, rt[m]), tmax = std::max(tmax, rt[m]);
-        if (m > 1) {
+        if (m > 1 && m - 1 >= std::max(1, cliff_min - 1)) {
           const double a = rk[m] / rk[m - 1], b = rt[m] / rt[m - 1];
           kr = std::max(kr, a), trr = std::max(trr, b);
           if (a > 1.3) ++kc, flagged_k.push_back(m);

@@ -93,11 +93,14 @@ TEST_P(GemmPathTest, MatchesMatmulOnRandomShapesWithTails) {
                                    {5, 100, 96},  {11, 47, 129}, {12, 32, 32}, {13, 65, 95},
                                    {31, 96, 257}, {97, 160, 63}, {257, 33, 130},
                                    {1000, 50, 40}, {4096, 40, 33},
-                                   // K in several blocks of 256, odd and even, at
+                                   // K in several blocks of 512, odd and even, at
                                    // and past a block edge; N over several
                                    // 8-panel chunks
                                    {5, 40, 2049},  {29, 100, 3000}, {14, 300, 256},
-                                   {25, 520, 257}, {50, 600, 4097}};
+                                   {25, 520, 257}, {50, 600, 4097}, {40, 70, 512},
+                                   {30, 70, 513},
+                                   // M over several row blocks of 24 tiles
+                                   {601, 70, 1030}};
   for (const Case& c : cases) {
     const at::Tensor x = at::randn({c.m, c.k});
     const at::Tensor w = at::randn({c.n, c.k}) * 0.1;
@@ -178,9 +181,11 @@ TEST_P(GemmPathTest, GateUpGivesSiluTimesUp) {
 
 TEST_P(GemmPathTest, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   if (GetParam() == GemmPath::kTorch) GTEST_SKIP() << "the torch path promises no row invariance";
-  // K: one block, at a block edge, and split into blocks (odd last block);
-  // n = 300: two panel chunks, the second partial, and a partial last panel.
-  for (int64_t k : {200, 512, 333, 2561}) {
+  // K: one block (odd and even), exactly one block, two blocks (the second
+  // partial), several blocks (odd last block); n = 300: two panel chunks, the
+  // second partial, and a partial last panel. m = 301 runs as two row blocks
+  // of 13 tiles; the sub-batches as one block or two of other heights.
+  for (int64_t k : {200, 512, 333, 1000, 2561}) {
   const int64_t m = 301, n = 300;
   const at::Tensor x = at::randn({m, k}).to(at::kBFloat16), w = at::randn({n, k});
   const PackedWeight pw = Pack(w, at::randn({n}));
@@ -191,7 +196,8 @@ TEST_P(GemmPathTest, RowsAreBitIdenticalWhateverTheBatchAndThreads) {
   ASSERT_TRUE(full.ok()) << full.status();
   // Sub-batches at every offset and length class (tails of 12, 32 and 96).
   for (auto [begin, len] : std::vector<std::pair<int64_t, int64_t>>{
-           {0, 1}, {5, 1}, {300, 1}, {1, 7}, {13, 12}, {40, 33}, {100, 97}, {3, 250}}) {
+           {0, 1}, {5, 1}, {300, 1}, {1, 7}, {13, 12}, {40, 33}, {100, 97}, {3, 250},
+           {1, 289}}) {
     for (int threads : {1, 2}) {
       o.threads = threads;
       absl::StatusOr<at::Tensor> part = Gemm(x.narrow(0, begin, len), pw, o);
