@@ -61,7 +61,8 @@ ABSL_FLAG(std::string, configs,
           "';'-separated configurations, each name:comma-separated extra vlm-language flags");
 ABSL_FLAG(std::string, streams, "1,2,4,8", "concurrencies measured");
 ABSL_FLAG(int, max_tokens, 48, "completion tokens per stream");
-ABSL_FLAG(int, rounds, 2, "repetitions of each concurrency (medians of the rates; TTFT pooled)");
+ABSL_FLAG(int, rounds, 3,
+          "rounds over all concurrencies, interleaved (medians of the rates; TTFT pooled)");
 ABSL_FLAG(int, turns, 3, "turns of the image conversation");
 ABSL_FLAG(int, threads, 2, "intra-op threads of the services (and bandwidth threads)");
 ABSL_FLAG(int, timeout_s, 3600, "the whole run ends (exit 3) after this");
@@ -257,14 +258,23 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
   Chat(*stub, TextChat(absl::StrCat("Warm up ", name, "."), 8));
 
   const int max_tokens = absl::GetFlag(FLAGS_max_tokens);
-  int round_id = 0;
+  // Rounds are interleaved (1, 2, 4, 8, 1, 2, 4, 8, ...) rather than grouped
+  // by concurrency: the memory bandwidth a shared host gives this machine
+  // drifts over minutes (28-56 GB/s seen in one session), and grouping would
+  // turn that drift into a difference between concurrencies.
+  std::vector<ConcurrencyRow> rows;
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_streams), ',', absl::SkipEmpty())) {
     ConcurrencyRow row;
-    if (!absl::SimpleAtoi(s, &row.streams) || row.streams < 1) continue;
-    std::vector<double> rates, steady, ttft;
-    const IterationTotals before =
-        ScrapeDecodeIterations(language.metrics_host, language.metrics_port);
-    for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round, ++round_id) {
+    if (absl::SimpleAtoi(s, &row.streams) && row.streams >= 1) rows.push_back(row);
+  }
+  std::vector<std::vector<double>> rates(rows.size()), steady(rows.size()), ttft(rows.size());
+  std::vector<IterationTotals> iterations(rows.size());
+  int round_id = 0;
+  for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
+    for (size_t c = 0; c < rows.size(); ++c, ++round_id) {
+      ConcurrencyRow& row = rows[c];
+      const IterationTotals before =
+          ScrapeDecodeIterations(language.metrics_host, language.metrics_port);
       std::vector<StreamResult> results(row.streams);
       std::vector<std::thread> threads_v;
       for (int i = 0; i < row.streams; ++i) {
@@ -277,6 +287,10 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
         });
       }
       for (auto& t : threads_v) t.join();
+      const IterationTotals after =
+          ScrapeDecodeIterations(language.metrics_host, language.metrics_port);
+      iterations[c].count += after.count - before.count;
+      iterations[c].seconds += after.seconds - before.seconds;
       Clock::time_point first = Clock::time_point::max(), last{};
       int64_t after_first = 0;
       for (const StreamResult& r : results) {
@@ -288,9 +302,9 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
         first = std::min(first, r.first);
         last = std::max(last, r.last);
         after_first += r.tokens - 1;
-        ttft.push_back(Seconds(r.start, r.first) * 1000);
+        ttft[c].push_back(Seconds(r.start, r.first) * 1000);
       }
-      if (last > first) rates.push_back(static_cast<double>(after_first) / Seconds(first, last));
+      if (last > first) rates[c].push_back(static_cast<double>(after_first) / Seconds(first, last));
       // Steady state: from the latest first token to the earliest last token.
       Clock::time_point all_in = Clock::time_point{}, first_out = Clock::time_point::max();
       for (const StreamResult& r : results) {
@@ -303,18 +317,21 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
         for (const StreamResult& r : results) {
           for (const Clock::time_point& t : r.token_times) inside += t > all_in && t <= first_out;
         }
-        steady.push_back(static_cast<double>(inside) / Seconds(all_in, first_out));
+        steady[c].push_back(static_cast<double>(inside) / Seconds(all_in, first_out));
       }
+      std::fprintf(stderr, "[%s] round %d, %d streams: %.1f tok/s\n", name.c_str(), round + 1,
+                   row.streams, rates[c].empty() ? 0.0 : rates[c].back());
     }
-    const IterationTotals after =
-        ScrapeDecodeIterations(language.metrics_host, language.metrics_port);
-    if (after.count > before.count) {
-      row.decode_iteration_ms = 1000 * (after.seconds - before.seconds) / (after.count - before.count);
+  }
+  for (size_t c = 0; c < rows.size(); ++c) {
+    ConcurrencyRow& row = rows[c];
+    if (iterations[c].count > 0) {
+      row.decode_iteration_ms = 1000 * iterations[c].seconds / iterations[c].count;
     }
-    row.steady_tokens_per_s = Percentile(steady, 0.5);
-    row.tokens_per_s = Percentile(rates, 0.5);
-    row.ttft_p50_ms = Percentile(ttft, 0.5);
-    row.ttft_p95_ms = Percentile(ttft, 0.95);
+    row.steady_tokens_per_s = Percentile(steady[c], 0.5);
+    row.tokens_per_s = Percentile(rates[c], 0.5);
+    row.ttft_p50_ms = Percentile(ttft[c], 0.5);
+    row.ttft_p95_ms = Percentile(ttft[c], 0.95);
     result.rows.push_back(row);
     std::fprintf(stderr, "[%s] %d streams: %.1f tok/s, TTFT p50 %.0f ms\n", name.c_str(),
                  row.streams, row.tokens_per_s, row.ttft_p50_ms);
@@ -407,7 +424,7 @@ int main(int argc, char** argv) {
 
   const double bound_1 = bandwidth / static_cast<double>(weight_bytes);
   std::printf("\nvlm-bench-serving: %s, through vlm-gateway; %d completion tokens per stream, "
-              "greedy, %d rounds (medians)\n",
+              "greedy, %d rounds interleaved over the concurrencies (medians)\n",
               model_dir.c_str(), absl::GetFlag(FLAGS_max_tokens), absl::GetFlag(FLAGS_rounds));
   std::printf("decode weight bytes per step %.0f MiB; read bandwidth %.1f GB/s (best of the run, "
               "%d threads) => bound %.1f steps/s\n\n",
