@@ -471,15 +471,7 @@ at::Tensor Decoder::RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) con
 
 at::Tensor Decoder::Head(const at::Tensor& hidden) const {
   // hidden: [R, hidden] (after the final norm) -> [R, vocab] float32
-  if (!lm_head8_.empty()) {
-    const int64_t r = hidden.size(0);
-    at::Tensor logits = at::empty({r, vocab_size()}, at::TensorOptions().dtype(at::kFloat));
-    for (int64_t i = 0; i < r; i += kInt8Rows) {
-      at::Tensor y = logits.narrow(0, i, std::min(kInt8Rows, r - i));
-      Check(kernels::GemvInt8(hidden.narrow(0, i, y.size(0)), lm_head8_, &y));
-    }
-    return logits;
-  }
+  if (!lm_head8_.empty()) return Int8Rows(hidden, lm_head8_, at::kFloat);
   if (!packed_head_.empty()) {
     kernels::GemmOptions options;
     options.out_dtype = at::kFloat;
