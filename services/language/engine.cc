@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/kernels/thread_pool.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "services/language/mrope.h"
@@ -482,18 +483,32 @@ void Engine::Iterate() {
       for (Request* r : owners) Fail(r, logits.status());
     } else {
       st.scheduler.Complete(ran);
-      int64_t row = 0;
       at::Tensor all;
       if (logits->defined()) all = logits->to(at::kFloat).contiguous();
+      // Sampling, logprobs and detokenizing touch only their own request's
+      // state, so the sequences' steps run side by side on the kernels' pool
+      // (a full-vocabulary log-softmax per sequence is serial work the pool's
+      // other thread would otherwise spin through); the results are the same.
+      std::vector<size_t> sampled;  // indices into ran.chunks, one logits row each
       for (size_t i = 0; i < ran.chunks.size(); ++i) {
-        const ScheduledChunk& c = ran.chunks[i];
-        Request* r = owners[i];
-        if (!c.logits) continue;
+        if (ran.chunks[i].logits) sampled.push_back(i);
+      }
+      std::vector<absl::StatusOr<GenerationState::Step>> steps(
+          sampled.size(), absl::UnknownError("not sampled"));
+      if (!sampled.empty()) {
         const int64_t width = all.size(-1);
-        const float* data = all.data_ptr<float>() + row * width;
-        ++row;
-        absl::StatusOr<GenerationState::Step> step =
-            r->generation->Next(absl::Span<const float>(data, width));
+        kernels::ParallelFor(static_cast<int64_t>(sampled.size()), 0, 1,
+                             [&](int64_t begin, int64_t end) {
+                               for (int64_t j = begin; j < end; ++j) {
+                                 const float* data = all.data_ptr<float>() + j * width;
+                                 steps[j] = owners[sampled[j]]->generation->Next(
+                                     absl::Span<const float>(data, width));
+                               }
+                             });
+      }
+      for (size_t j = 0; j < sampled.size(); ++j) {
+        Request* r = owners[sampled[j]];
+        absl::StatusOr<GenerationState::Step>& step = steps[j];
         if (!step.ok()) {
           Fail(r, step.status());
           continue;
