@@ -10,6 +10,8 @@
 //
 // Usage: vlm-bench-gemv [--layers 28] [--reps 7] [--threads 1,2] [--batches 1]
 //                       [--impls torch,avx512bf16,avx512bf16-fused,avx512,avx2,scalar]
+// gemm: the decoder's packed path (kernels::Gemm, q|k|v and gate|up packed
+// together, SiLU·up fused); B = 8 on it costs about what B = 1 does.
 // --batches: tokens per step (x is [B, in]), e.g. 1,4,8.
 #include <chrono>
 #include <cstdio>
@@ -22,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "common/kernels/gemm.h"
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/gemv_bench.h"
 #include "services/language/gemv.h"
@@ -31,6 +34,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using vlm::bench::kDown;
 using vlm::bench::kGate;
+using vlm::bench::kK;
+using vlm::bench::kO;
+using vlm::bench::kUp;
+using vlm::bench::kV;
 using vlm::bench::kHead;
 using vlm::bench::kLayerShapes;
 using vlm::bench::kQ;
@@ -40,6 +47,9 @@ using vlm::bench::RandomBf16;
 struct Impl {
   std::string name;
   bool torch = false;
+  // kernels::Gemm on packed weights (q|k|v and gate|up packed together, as
+  // the decoder packs them).
+  bool gemm = false;
   vlm::GemvPath path = vlm::GemvPath::kScalar;
   bool fused = false;  // GemvMulti for q/k/v and gate/up
 };
@@ -47,6 +57,9 @@ struct Impl {
 struct Model {
   std::vector<std::vector<at::Tensor>> layers;  // [layer][kQ..kDown]
   at::Tensor head;
+  // For gemm impls: per layer q|k|v, o, gate|up, down; and the head.
+  std::vector<std::vector<vlm::kernels::PackedWeight>> packed;
+  vlm::kernels::PackedWeight packed_head;
   int64_t step_bytes = 0;
 };
 
@@ -55,6 +68,7 @@ struct Acts {
   at::Tensor x_hidden, x_inter;  // [B, 2048], [B, 6144] bf16
   std::vector<at::Tensor> y;     // per layer shape [B, out], bf16
   at::Tensor logits;             // [B, 151936] f32
+  at::Tensor qkv, gate_up;       // gemm impls: [B, 4096], [B, 6144] bf16
 };
 
 Acts MakeActs(int batch) {
@@ -63,6 +77,8 @@ Acts MakeActs(int batch) {
   a.x_inter = RandomBf16(batch, 6144, 2);
   for (const auto& s : kLayerShapes) a.y.push_back(at::empty({batch, s.out}, at::kBFloat16));
   a.logits = at::empty({batch, kHead.out}, at::kFloat);
+  a.qkv = at::empty({batch, 4096}, at::kBFloat16);
+  a.gate_up = at::empty({batch, 6144}, at::kBFloat16);
   return a;
 }
 
@@ -82,6 +98,19 @@ double Step(const Impl& impl, const Model& m, Acts& a, Times* times) {
         std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
   };
   const auto start = Clock::now();
+  if (impl.gemm) {
+    vlm::kernels::GemmOptions go;
+    vlm::kernels::GemmOptions gu = go;
+    gu.activation = vlm::kernels::Activation::kSiluMul;
+    for (const std::vector<vlm::kernels::PackedWeight>& w : m.packed) {
+      timed("q+k+v", [&] { Check(vlm::kernels::Gemm(a.x_hidden, w[0], &a.qkv, go)); });
+      timed("o", [&] { Check(vlm::kernels::Gemm(a.x_hidden, w[1], &a.y[kO], go)); });
+      timed("gate+up", [&] { Check(vlm::kernels::Gemm(a.x_hidden, w[2], &a.gate_up, gu)); });
+      timed("down", [&] { Check(vlm::kernels::Gemm(a.x_inter, w[3], &a.y[kDown], go)); });
+    }
+    timed(kHead.name, [&] { Check(vlm::kernels::Gemm(a.x_hidden, m.packed_head, &a.logits, go)); });
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
   for (const std::vector<at::Tensor>& w : m.layers) {
     for (int i = 0; i < 7; ++i) {
       const at::Tensor& x = i == kDown ? a.x_inter : a.x_hidden;
@@ -134,6 +163,8 @@ int main(int argc, char** argv) {
     impl.name = name;
     if (name == "torch") {
       impl.torch = true;
+    } else if (name == "gemm") {
+      impl.gemm = true;
     } else {
       const bool fused = name.size() > 6 && name.compare(name.size() - 6, 6, "-fused") == 0;
       absl::StatusOr<vlm::GemvPath> p =
@@ -167,6 +198,19 @@ int main(int argc, char** argv) {
   }
   m.head = RandomBf16(kHead.out, kHead.in, 99999);
   m.step_bytes += kHead.out * kHead.in * 2;
+  if (std::any_of(impls.begin(), impls.end(), [](const Impl& i) { return i.gemm; })) {
+    auto pack = [](absl::StatusOr<vlm::kernels::PackedWeight> w) {
+      Check(w.status());
+      return *std::move(w);
+    };
+    for (const std::vector<at::Tensor>& w : m.layers) {
+      m.packed.push_back({pack(vlm::kernels::PackedWeight::Pack(at::cat({w[kQ], w[kK], w[kV]}))),
+                          pack(vlm::kernels::PackedWeight::Pack(w[kO])),
+                          pack(vlm::kernels::PackedWeight::PackGateUp(w[kGate], w[kUp])),
+                          pack(vlm::kernels::PackedWeight::Pack(w[kDown]))});
+    }
+    m.packed_head = pack(vlm::kernels::PackedWeight::Pack(m.head));
+  }
   // One bound per thread count, over one 1 GiB buffer.
   const at::Tensor bw_buffer = RandomBf16(1, (size_t{1} << 30) / 2, 4242);
   std::map<int, vlm::bench::ReadBound> bounds;
