@@ -168,6 +168,7 @@ struct ConcurrencyRow {
   double decode_iteration_ms = 0;  // the engine's mean decode-only iteration, all rounds
   double ttft_p50_ms = 0, ttft_p95_ms = 0;
   int failures = 0;
+  std::vector<double> round_rates;  // aggregate tok/s of each round, in order (0: none)
 };
 struct TurnRow {
   std::vector<double> ttft_ms;
@@ -305,6 +306,7 @@ ConfigResult RunConfig(const std::string& bin, const std::string& model_dir,
         ttft[c].push_back(Seconds(r.start, r.first) * 1000);
       }
       if (last > first) rates[c].push_back(static_cast<double>(after_first) / Seconds(first, last));
+      row.round_rates.push_back(last > first ? rates[c].back() : 0.0);
       // Steady state: from the latest first token to the earliest last token.
       Clock::time_point all_in = Clock::time_point{}, first_out = Clock::time_point::max();
       for (const StreamResult& r : results) {
@@ -444,11 +446,38 @@ int main(int argc, char** argv) {
       if (row.streams == 1) one = row.tokens_per_s, one_steady = row.steady_tokens_per_s;
     }
     for (const ConcurrencyRow& row : r.rows) {
-      std::printf("| %s | %d | %.1f | %s | %.1f | %s | %.0f | %.1f | %.0f | %.0f | %d |\n",
+      // No steady window: the streams never all decoded at once (one at a time).
+      const bool steady = row.steady_tokens_per_s > 0;
+      std::printf("| %s | %d | %.1f | %s | %s | %s | %.0f | %.1f | %.0f | %.0f | %d |\n",
                   r.name.c_str(), row.streams, row.tokens_per_s,
-                  ratio(row.tokens_per_s, one).c_str(), row.steady_tokens_per_s,
-                  ratio(row.steady_tokens_per_s, one_steady).c_str(), row.decode_iteration_ms,
+                  ratio(row.tokens_per_s, one).c_str(),
+                  steady ? absl::StrFormat("%.1f", row.steady_tokens_per_s).c_str() : "-",
+                  steady ? ratio(row.steady_tokens_per_s, one_steady).c_str() : "-",
+                  row.decode_iteration_ms,
                   bound_1 * row.streams, row.ttft_p50_ms, row.ttft_p95_ms, row.failures);
+    }
+  }
+  // Within a round the concurrencies ran minutes apart at most, so their
+  // ratio is the least touched by the host's bandwidth drift.
+  std::printf("\nper round: aggregate tok/s of N streams / 1 stream in the same round\n\n"
+              "| config | streams | each round | median |\n|---|---|---|---|\n");
+  for (const ConfigResult& r : results) {
+    const ConcurrencyRow* one = nullptr;
+    for (const ConcurrencyRow& row : r.rows) {
+      if (row.streams == 1) one = &row;
+    }
+    if (one == nullptr) continue;
+    for (const ConcurrencyRow& row : r.rows) {
+      if (row.streams == 1) continue;
+      std::vector<double> ratios;
+      std::string each;
+      for (size_t k = 0; k < row.round_rates.size() && k < one->round_rates.size(); ++k) {
+        if (row.round_rates[k] <= 0 || one->round_rates[k] <= 0) continue;
+        ratios.push_back(row.round_rates[k] / one->round_rates[k]);
+        absl::StrAppend(&each, each.empty() ? "" : ", ", absl::StrFormat("%.2f", ratios.back()));
+      }
+      std::printf("| %s | %d | %s | %s |\n", r.name.c_str(), row.streams, each.c_str(),
+                  ratios.empty() ? "-" : absl::StrFormat("%.2f", Percentile(ratios, 0.5)).c_str());
     }
   }
   std::printf("\n| config | turn | TTFT ms | / turn 1 | cached prompt tokens |\n|---|---|---|---|---|\n");
