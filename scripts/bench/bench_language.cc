@@ -55,6 +55,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/kernels/quantize.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -279,25 +280,34 @@ GenerateRequest PromptOfTokens(vlm::v1::Language::Stub& stub, int tokens, int ma
   return request;
 }
 
-// Bytes one decode step reads: decoder layers + final norm + LM head; with
-// `int8`, the seven projections of every layer as the int8 kernels store them
-// (rows padded to 64 bytes + one f32 scale per output channel, quantize.h).
-uint64_t DecodeWeightBytes(const std::string& dir, bool int8 = false) {
+// Bytes one decode step reads: decoder layers + final norm + LM head. With
+// `int8`, the seven projections of every layer as QuantizedWeight::bytes()
+// counts them (rows padded to a whole group of kInt8Group, an f32 scale per
+// row, an f16 ratio per group); with `int8_head` also the (tied) LM head.
+uint64_t DecodeWeightBytes(const std::string& dir, bool int8 = false, bool int8_head = false) {
   auto checkpoint = vlm::SafetensorsCheckpoint::Open(dir);
   if (!checkpoint.ok()) return 0;
+  auto int8_bytes = [](const std::vector<int64_t>& shape) {
+    const uint64_t n = static_cast<uint64_t>(shape[0]);
+    const uint64_t groups = static_cast<uint64_t>(
+        (shape[1] + vlm::kernels::kInt8Group - 1) / vlm::kernels::kInt8Group);
+    return n * groups * vlm::kernels::kInt8Group + n * sizeof(float) + n * groups * sizeof(uint16_t);
+  };
   uint64_t bytes = 0, embed = 0, head = 0;
   for (const std::string& name : (*checkpoint)->Names()) {
     auto info = (*checkpoint)->Info(name);
     if (!info.ok()) continue;
+    const std::vector<int64_t>& shape = (*info)->shape;
+    const uint64_t as_stored =
+        int8_head && shape.size() == 2 ? int8_bytes(shape) : (*info)->nbytes();
     if (name == "lm_head.weight") {
-      head = (*info)->nbytes();
+      head = as_stored;
     } else if (absl::StrContains(name, "embed_tokens")) {
-      embed = (*info)->nbytes();
+      embed = as_stored;
     } else if (absl::StrContains(name, "language_model.") || name.rfind("model.layers.", 0) == 0 ||
                name == "model.norm.weight") {
-      const std::vector<int64_t>& shape = (*info)->shape;
       if (int8 && absl::StrContains(name, "_proj.weight") && shape.size() == 2) {
-        bytes += static_cast<uint64_t>(shape[0]) * ((shape[1] + 63) / 64 * 64) + shape[0] * 4;
+        bytes += int8_bytes(shape);
       } else {
         bytes += (*info)->nbytes();
       }
@@ -479,7 +489,9 @@ int main(int argc, char** argv) {
   std::vector<Column> columns;
   for (absl::string_view extra : absl::StrSplit(absl::GetFlag(FLAGS_configs), ';')) {
     columns.push_back(Measure(binary, dir, std::string(extra), *config, &bandwidth));
-    columns.back().bytes = DecodeWeightBytes(dir, absl::StrContains(extra, "--weight_dtype=int8"));
+    // The service's int8 form quantizes the LM head too (DecoderOptions::int8_lm_head).
+    const bool int8 = absl::StrContains(extra, "--weight_dtype=int8");
+    columns.back().bytes = DecodeWeightBytes(dir, int8, int8);
   }
   // The bound uses the best bandwidth seen in this run (contention only lowers it).
   const Column* first_bf16 = nullptr;
