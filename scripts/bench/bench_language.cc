@@ -15,8 +15,9 @@
 //
 // Old path vs new in one run (the decoder's kernels, issue 11):
 //   vlm-bench-language --configs "--matmul=torch;--matmul=kernels;--weight_dtype=int8"
-// Each configuration's bound uses the bytes its decode step reads (int8 rows
-// + f32 scales for --weight_dtype=int8). --cliff "200:260:4" adds prefill time
+// Each configuration's bound uses the bytes its decode step reads (for
+// --weight_dtype=int8: int8 rows, row scales and group ratios of the
+// projections and the LM head). --cliff "200:260:4" adds prefill time
 // per token for every 4th prompt length in 200..260 and the largest ratio
 // between neighbouring lengths (a length cliff shows up as a ratio >> 1).
 // The prefix cache is off in every configuration (repeated prompts must
