@@ -46,9 +46,9 @@ struct Scratch {
   std::vector<float> q;       // [NQ, D] scaled queries
   std::vector<float> acc;     // [NQ, D]
   std::vector<float> m, l;    // [NQ] running max, running sum
-  std::vector<float> kt;      // [D, ldk] one key block, transposed (avx512)
-  std::vector<float> kf, vf;  // [block, D] one key/value block in f32
-  std::vector<float> s;       // [NQ, ldk] scores of one block
+  std::vector<float> kt;      // [D, kStepBlocks·ldk] a step's key blocks, transposed (avx512)
+  std::vector<float> kf, vf;  // [block, D] one key/value block in f32 (portable path)
+  std::vector<float> s;       // [NQ, ldk] scores of one block (avx512: of a step's blocks)
   std::vector<float> e;       // [group, ldk] exp(score - max) of one query (avx512)
 };
 
@@ -141,9 +141,11 @@ void ItemScalar(const Item& it, const Geometry& g, const T* q, const T* kc, cons
 }
 
 // ---------------------------------------------------------------------------
-// AVX-512 path: scores of 4 query vectors × 16 keys per step (keys
-// transposed, sums over head_dim in order per lane), exp over 16 scores at a
-// time, values accumulated over head_dim (head_dim % 16 == 0).
+// AVX-512 path: scores of up to 4 query vectors × 16 keys per FMA chain
+// (keys transposed, sums over head_dim in order per lane; the keys of up to
+// kStepBlocks blocks at once so that 8 chains are in flight), exp over 16
+// scores at a time, values accumulated over head_dim from the cache as stored
+// (4 vectors of 16 at a time, head_dim % 16 == 0).
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -174,10 +176,11 @@ VLM_AVX512 inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, fx));
 }
 
-// kt[c, t] = float(k[t, c]) for t < nk, 0 for nk <= t < ldk (ldk % 16 == 0):
-// 16 keys per gather. bf16: one 32-bit gather fetches the pair (c, c+1) of
-// 16 keys (d is even).
-VLM_AVX512 inline void TransposeKeys(const Bf16* k, int64_t nk, int64_t d, int64_t ldk, float* kt) {
+// kt[c, t] = float(k[t, c]) for t < nk, 0 for nk <= t < ldk (ldk % 16 == 0);
+// kt's rows are ld_kt floats apart. bf16: one 32-bit gather fetches the pair
+// (c, c+1) of 16 keys (d is even).
+VLM_AVX512 inline void TransposeKeys(const Bf16* k, int64_t nk, int64_t d, int64_t ldk,
+                                     int64_t ld_kt, float* kt) {
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t t0 = 0; t0 < ldk; t0 += 16) {
@@ -191,13 +194,14 @@ VLM_AVX512 inline void TransposeKeys(const Bf16* k, int64_t nk, int64_t d, int64
       const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
                                                     _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(2 * c))),
                                                     k, 1);
-      _mm512_storeu_ps(kt + c * ldk + t0, _mm512_castsi512_ps(_mm512_slli_epi32(g, 16)));
-      _mm512_storeu_ps(kt + (c + 1) * ldk + t0, _mm512_castsi512_ps(_mm512_and_si512(g, high)));
+      _mm512_storeu_ps(kt + c * ld_kt + t0, _mm512_castsi512_ps(_mm512_slli_epi32(g, 16)));
+      _mm512_storeu_ps(kt + (c + 1) * ld_kt + t0, _mm512_castsi512_ps(_mm512_and_si512(g, high)));
     }
   }
 }
 
-VLM_AVX512 inline void TransposeKeys(const float* k, int64_t nk, int64_t d, int64_t ldk, float* kt) {
+VLM_AVX512 inline void TransposeKeys(const float* k, int64_t nk, int64_t d, int64_t ldk,
+                                     int64_t ld_kt, float* kt) {
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t t0 = 0; t0 < ldk; t0 += 16) {
     const __mmask16 m = nk - t0 >= 16 ? static_cast<__mmask16>(0xFFFF)
@@ -209,143 +213,171 @@ VLM_AVX512 inline void TransposeKeys(const float* k, int64_t nk, int64_t d, int6
       const __m512 g = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
                                                 _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(4 * c))),
                                                 k, 1);
-      _mm512_storeu_ps(kt + c * ldk + t0, g);
+      _mm512_storeu_ps(kt + c * ld_kt + t0, g);
     }
   }
 }
+
+// Scores of V query vectors (rows of q0, d apart) against J groups of 16
+// transposed keys (kt rows ld floats apart): s[v, 16j + l] = Σ_c q[v, c]·k[c, l],
+// one FMA chain per (v, j) over c in order. V·J chains in flight hide the FMA
+// latency (decode has V = 2: a 2-query tile alone would wait on it).
+template <int V, int J>
+VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const float* kt, int64_t ld,
+                                 float* s) {
+  __m512 acc[V][J];
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) acc[v][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; ++c) {
+    __m512 k[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) k[j] = _mm512_loadu_ps(kt + c * ld + 16 * j);
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+      const __m512 qv = _mm512_set1_ps(q0[v * d + c]);
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) acc[v][j] = _mm512_fmadd_ps(qv, k[j], acc[v][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < V; ++v)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(s + v * ld + 16 * j, acc[v][j]);
+}
+
+// ScoreTile over `groups` key groups for V query vectors.
+template <int V, int J>
+VLM_AVX512 inline void ScoreRows(const float* q0, int64_t d, const float* kt, int64_t ld,
+                                 int64_t groups, float* s) {
+  int64_t j = 0;
+  for (; j + J <= groups; j += J) ScoreTile<V, J>(q0, d, kt + 16 * j, ld, s + 16 * j);
+  for (; j < groups; ++j) ScoreTile<V, 1>(q0, d, kt + 16 * j, ld, s + 16 * j);
+}
+
+// acc_h[c] += Σ_t e_h[t]·v[t, c] for H heads (acc_h d floats apart, e_h ld_e
+// apart), c over U vectors of 16 from c0; per element the sum runs over t in
+// order. v: the block's values [nk, d] as stored (bf16 widened exactly).
+template <int H, int U, typename T>
+VLM_AVX512 inline void ValueTile(const T* v, int64_t d, int64_t c0, int64_t valid, const float* e,
+                                 int64_t ld_e, float* acc) {
+  __m512 a[H][U];
+#pragma GCC unroll 2
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) a[h][u] = _mm512_loadu_ps(acc + h * d + c0 + 16 * u);
+  for (int64_t t = 0; t < valid; ++t) {
+    __m512 vv[U];
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) vv[u] = Load16(v + t * d + c0 + 16 * u);
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      const __m512 eh = _mm512_set1_ps(e[h * ld_e + t]);
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) a[h][u] = _mm512_fmadd_ps(eh, vv[u], a[h][u]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(acc + h * d + c0 + 16 * u, a[h][u]);
+}
+
+template <int H, typename T>
+VLM_AVX512 inline void ValueRows(const T* v, int64_t d, int64_t valid, const float* e,
+                                 int64_t ld_e, float* acc) {
+  const int64_t nv = d / 16;
+  int64_t c = 0;
+  for (; c + 4 <= nv; c += 4) ValueTile<H, 4>(v, d, 16 * c, valid, e, ld_e, acc);
+  for (; c < nv; ++c) ValueTile<H, 1>(v, d, 16 * c, valid, e, ld_e, acc);
+}
+
+// Blocks whose keys are transposed and scored together: more independent
+// score sums in flight (a decode item scores 2 query vectors; one 16-key block
+// alone gives 2 chains). Each block's softmax and values still run in order.
+constexpr int64_t kStepBlocks = 4;
 
 template <typename T>
 VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const T* kc,
                            const T* vc, Scratch& w, T* out) {
   Begin(it, g, q, w);
-  const int64_t bs = g.block_size, d = g.d, nv = d / 16;
-  const int64_t ldk = (bs + 15) / 16 * 16;
+  const int64_t bs = g.block_size, d = g.d;
+  const int64_t ldk = (bs + 15) / 16 * 16;  // one block's columns in kt and s
+  const int64_t ld = kStepBlocks * ldk;     // row stride of kt and s
   const int64_t nq = (it.i1 - it.i0) * g.group;
   const int64_t last = it.run->start + it.i1 - 1;
-  w.kt.resize(d * ldk);
-  w.vf.resize(bs * d);
-  w.s.resize(nq * ldk);
+  const int64_t nblocks = last / bs + 1;
+  w.kt.resize(d * ld);
+  w.s.resize(nq * ld);
   w.e.resize(g.group * ldk);
-  for (int64_t b = 0; b <= last / bs; ++b) {
-    const int64_t nk = std::min(bs, last + 1 - b * bs);
-    const int64_t base = (static_cast<int64_t>(it.run->block_table[b]) * g.hkv + it.kv_head) * bs * d;
-    // Keys transposed to [D, ldk] (zero padding), values to f32 [nk, D].
-    TransposeKeys(kc + base, nk, d, ldk, w.kt.data());
-    for (int64_t t = 0; t < nk; ++t) {
-      for (int64_t c = 0; c < nv; ++c) {
-        _mm512_storeu_ps(w.vf.data() + t * d + 16 * c, Load16(vc + base + t * d + 16 * c));
-      }
+  auto base = [&](int64_t b) {
+    return (static_cast<int64_t>(it.run->block_table[b]) * g.hkv + it.kv_head) * bs * d;
+  };
+  for (int64_t b0 = 0; b0 < nblocks; b0 += kStepBlocks) {
+    const int64_t nb = std::min(kStepBlocks, nblocks - b0);
+    // Keys of the step's blocks transposed side by side: block j at column
+    // j·ldk of [D, ld] (zero padding after a block's last key).
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t b = b0 + j;
+      TransposeKeys(kc + base(b), std::min(bs, last + 1 - b * bs), d, ldk, ld,
+                    w.kt.data() + j * ldk);
     }
-    // Scores of every query vector of the item against the block's keys:
+    // Scores of every query vector of the item against the step's keys:
     // s[v, t] = Σ_c q[v, c]·k[t, c], summed over c in order (per lane).
     // Query vectors that see fewer keys compute a few unused scores.
-    const int64_t kgroups = (nk + 15) / 16;
+    const int64_t groups = nb * ldk / 16;
     int64_t v0 = 0;
     for (; v0 + 4 <= nq; v0 += 4) {
-      const float* q0 = w.q.data() + v0 * d;
-      for (int64_t j = 0; j < kgroups; ++j) {
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        const float* kt = w.kt.data() + 16 * j;
-        for (int64_t c = 0; c < d; ++c) {
-          const __m512 k = _mm512_loadu_ps(kt + c * ldk);
-          s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[c]), k, s0);
-          s1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d + c]), k, s1);
-          s2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * d + c]), k, s2);
-          s3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * d + c]), k, s3);
-        }
-        float* s = w.s.data() + v0 * ldk + 16 * j;
-        _mm512_storeu_ps(s, s0);
-        _mm512_storeu_ps(s + ldk, s1);
-        _mm512_storeu_ps(s + 2 * ldk, s2);
-        _mm512_storeu_ps(s + 3 * ldk, s3);
-      }
+      ScoreRows<4, 2>(w.q.data() + v0 * d, d, w.kt.data(), ld, groups, w.s.data() + v0 * ld);
     }
     for (; v0 + 2 <= nq; v0 += 2) {
-      const float* q0 = w.q.data() + v0 * d;
-      for (int64_t j = 0; j < kgroups; ++j) {
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0;
-        const float* kt = w.kt.data() + 16 * j;
-        for (int64_t c = 0; c < d; ++c) {
-          const __m512 k = _mm512_loadu_ps(kt + c * ldk);
-          s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[c]), k, s0);
-          s1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d + c]), k, s1);
-        }
-        float* s = w.s.data() + v0 * ldk + 16 * j;
-        _mm512_storeu_ps(s, s0);
-        _mm512_storeu_ps(s + ldk, s1);
-      }
+      ScoreRows<2, 4>(w.q.data() + v0 * d, d, w.kt.data(), ld, groups, w.s.data() + v0 * ld);
     }
     for (; v0 < nq; ++v0) {
-      const float* q0 = w.q.data() + v0 * d;
-      for (int64_t j = 0; j < kgroups; ++j) {
-        __m512 s0 = _mm512_setzero_ps();
-        const float* kt = w.kt.data() + 16 * j;
-        for (int64_t c = 0; c < d; ++c) {
-          s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[c]), _mm512_loadu_ps(kt + c * ldk), s0);
-        }
-        _mm512_storeu_ps(w.s.data() + v0 * ldk + 16 * j, s0);
-      }
+      ScoreRows<1, 4>(w.q.data() + v0 * d, d, w.kt.data(), ld, groups, w.s.data() + v0 * ld);
     }
-    // Online softmax update of each query vector over its visible keys: the
-    // heads of one query share `valid`. First each head's rescale, exp and
-    // sum (in key order), then acc[c] += e[t]·v[t, c] for t in order, two
-    // heads at a time so each value load serves both (the order per element
-    // is unchanged, so results do not depend on the pairing).
-    for (int64_t i = it.i0; i < it.i1; ++i) {
-      const int64_t valid = Visible(it, i, b, bs);
-      if (valid <= 0) continue;
-      const int64_t v_first = (i - it.i0) * g.group;
-      for (int64_t h = 0; h < g.group; ++h) {
-        const int64_t v = v_first + h;
-        const float* s = w.s.data() + v * ldk;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, s[t]);
-        float* acc = w.acc.data() + v * d;
-        const float m_new = std::max(w.m[v], mx);
-        if (m_new > w.m[v]) {
-          const float corr = std::exp(w.m[v] - m_new);
-          w.l[v] *= corr;
-          const __m512 cv = _mm512_set1_ps(corr);
-          for (int64_t c = 0; c < nv; ++c) {
-            _mm512_storeu_ps(acc + 16 * c, _mm512_mul_ps(cv, _mm512_loadu_ps(acc + 16 * c)));
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t b = b0 + j;
+      const T* vb = vc + base(b);
+      // Online softmax update of each query vector over its visible keys:
+      // the heads of one query share `valid`. First each head's rescale, exp
+      // and sum (in key order), then acc[c] += e[t]·v[t, c] for t in order,
+      // two heads at a time so each value load serves both (the order per
+      // element is unchanged, so results do not depend on the pairing).
+      for (int64_t i = it.i0; i < it.i1; ++i) {
+        const int64_t valid = Visible(it, i, b, bs);
+        if (valid <= 0) continue;
+        const int64_t v_first = (i - it.i0) * g.group;
+        for (int64_t h = 0; h < g.group; ++h) {
+          const int64_t v = v_first + h;
+          const float* s = w.s.data() + v * ld + j * ldk;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, s[t]);
+          float* acc = w.acc.data() + v * d;
+          const float m_new = std::max(w.m[v], mx);
+          if (m_new > w.m[v]) {
+            const float corr = std::exp(w.m[v] - m_new);
+            w.l[v] *= corr;
+            const __m512 cv = _mm512_set1_ps(corr);
+            for (int64_t c = 0; c < d / 16; ++c) {
+              _mm512_storeu_ps(acc + 16 * c, _mm512_mul_ps(cv, _mm512_loadu_ps(acc + 16 * c)));
+            }
+            w.m[v] = m_new;
           }
-          w.m[v] = m_new;
-        }
-        const __m512 mv = _mm512_set1_ps(m_new);
-        float* e = w.e.data() + h * ldk;
-        for (int64_t t0 = 0; t0 < valid; t0 += 16) {
-          _mm512_storeu_ps(e + t0, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
-        }
-        for (int64_t t = 0; t < valid; ++t) w.l[v] += e[t];
-      }
-      int64_t h = 0;
-      for (; h + 2 <= g.group; h += 2) {
-        float* acc0 = w.acc.data() + (v_first + h) * d;
-        float* acc1 = acc0 + d;
-        const float* e0 = w.e.data() + h * ldk;
-        const float* e1 = e0 + ldk;
-        for (int64_t c = 0; c < nv; ++c) {
-          __m512 a0 = _mm512_loadu_ps(acc0 + 16 * c), a1 = _mm512_loadu_ps(acc1 + 16 * c);
-          const float* vc16 = w.vf.data() + 16 * c;
-          for (int64_t t = 0; t < valid; ++t) {
-            const __m512 vv = _mm512_loadu_ps(vc16 + t * d);
-            a0 = _mm512_fmadd_ps(_mm512_set1_ps(e0[t]), vv, a0);
-            a1 = _mm512_fmadd_ps(_mm512_set1_ps(e1[t]), vv, a1);
+          const __m512 mv = _mm512_set1_ps(m_new);
+          float* e = w.e.data() + h * ldk;
+          for (int64_t t0 = 0; t0 < valid; t0 += 16) {
+            _mm512_storeu_ps(e + t0, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
           }
-          _mm512_storeu_ps(acc0 + 16 * c, a0);
-          _mm512_storeu_ps(acc1 + 16 * c, a1);
+          for (int64_t t = 0; t < valid; ++t) w.l[v] += e[t];
         }
-      }
-      for (; h < g.group; ++h) {
-        float* acc = w.acc.data() + (v_first + h) * d;
-        const float* e = w.e.data() + h * ldk;
-        for (int64_t c = 0; c < nv; ++c) {
-          __m512 a = _mm512_loadu_ps(acc + 16 * c);
-          const float* vc16 = w.vf.data() + 16 * c;
-          for (int64_t t = 0; t < valid; ++t) {
-            a = _mm512_fmadd_ps(_mm512_set1_ps(e[t]), _mm512_loadu_ps(vc16 + t * d), a);
-          }
-          _mm512_storeu_ps(acc + 16 * c, a);
+        int64_t h = 0;
+        for (; h + 2 <= g.group; h += 2) {
+          ValueRows<2>(vb, d, valid, w.e.data() + h * ldk, ldk, w.acc.data() + (v_first + h) * d);
+        }
+        for (; h < g.group; ++h) {
+          ValueRows<1>(vb, d, valid, w.e.data() + h * ldk, ldk, w.acc.data() + (v_first + h) * d);
         }
       }
     }
