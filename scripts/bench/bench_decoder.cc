@@ -262,10 +262,11 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
         d.compute_dtype() == ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     const int64_t nb = (prefill_n + bs - 1) / bs;
-    const at::Tensor kc = at::randn({nb, hkv, bs, hd}).to(dt), vc = at::randn({nb, hkv, bs, hd}).to(dt);
+    // The paged layout: K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D].
+    const at::Tensor kc = at::randn({nb, hkv, hd, bs}).to(dt), vc = at::randn({nb, hkv, bs, hd}).to(dt);
     const at::Tensor q = at::randn({prefill_n, hq, hd}).to(dt);
     // Head-major views of the same keys for the old kernels: [Hkv, S, D].
-    const at::Tensor kh = kc.transpose(0, 1).reshape({hkv, nb * bs, hd}).narrow(1, 0, prefill_n).contiguous();
+    const at::Tensor kh = kc.permute({1, 0, 3, 2}).reshape({hkv, nb * bs, hd}).narrow(1, 0, prefill_n).contiguous();
     const at::Tensor vh = vc.transpose(0, 1).reshape({hkv, nb * bs, hd}).narrow(1, 0, prefill_n).contiguous();
     const at::Tensor qh = q.transpose(0, 1).contiguous();
     nn::AttentionOptions ao;

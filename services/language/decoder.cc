@@ -672,7 +672,7 @@ absl::StatusOr<KvStorage> Decoder::NewKvStorage(int64_t num_blocks, int64_t bloc
     // Zero-filled: the budget is committed now, and blocks hold defined values.
     const auto opts = at::TensorOptions().dtype(ToScalarType(compute_dtype_));
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      kv.k.push_back(at::zeros({num_blocks, c.num_key_value_heads, block_size, c.head_dim}, opts));
+      kv.k.push_back(at::zeros({num_blocks, c.num_key_value_heads, c.head_dim, block_size}, opts));
       kv.v.push_back(at::zeros({num_blocks, c.num_key_value_heads, block_size, c.head_dim}, opts));
     }
   } catch (const c10::Error& e) {
@@ -699,6 +699,30 @@ struct Decoder::Batch {
   at::Tensor logit_rows;             // [L] int64, in chunk order
 };
 
+namespace {
+
+// Row i of k ([R, Hkv, D], E-byte elements) into slot cache_index[i] % bs of
+// its block in the key cache [blocks, Hkv, D, bs]: element c at stride bs.
+template <typename E>
+void ScatterKeys(const at::Tensor& k, const at::Tensor& cache,
+                 const std::vector<int64_t>& cache_index,
+                 const std::vector<const int32_t*>& table, int64_t bs) {
+  const int64_t r = k.size(0), hkv = k.size(1), d = k.size(2);
+  const E* src = static_cast<const E*>(k.data_ptr());
+  E* dst = static_cast<E*>(cache.data_ptr());
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t p = cache_index[i];
+    const int64_t block = table[i][p / bs];
+    for (int64_t g = 0; g < hkv; ++g) {
+      const E* from = src + (i * hkv + g) * d;
+      E* to = dst + (block * hkv + g) * d * bs + p % bs;
+      for (int64_t c = 0; c < d; ++c) to[c * bs] = from[c];
+    }
+  }
+}
+
+}  // namespace
+
 absl::Status Decoder::ValidateChunks(const KvStorage& kv,
                                      absl::Span<const SequenceChunk> chunks) const {
   const TextConfig& c = config_.text;
@@ -711,15 +735,19 @@ absl::Status Decoder::ValidateChunks(const KvStorage& kv,
         " layers, block_size ", kv.block_size, ", num_blocks ", kv.num_blocks,
         " (use Decoder::NewKvStorage)"));
   }
-  const std::vector<int64_t> shape = {kv.num_blocks, c.num_key_value_heads, kv.block_size,
-                                      c.head_dim};
+  const std::vector<int64_t> v_shape = {kv.num_blocks, c.num_key_value_heads, kv.block_size,
+                                        c.head_dim};
+  const std::vector<int64_t> k_shape = {kv.num_blocks, c.num_key_value_heads, c.head_dim,
+                                        kv.block_size};
   for (int64_t l = 0; l < layers; ++l) {
     for (const at::Tensor* t : {&kv.k[l], &kv.v[l]}) {
+      const std::vector<int64_t>& shape = t == &kv.k[l] ? k_shape : v_shape;
       if (!t->defined() || t->sizes().vec() != shape || t->scalar_type() != dtype ||
           !t->is_contiguous()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "KV storage: layer ", l, " must be a contiguous [", absl::StrJoin(shape, ", "),
-            "] ", c10::toString(dtype), " tensor (use Decoder::NewKvStorage)"));
+            "KV storage: layer ", l, " ", t == &kv.k[l] ? "K" : "V", " must be a contiguous [",
+            absl::StrJoin(shape, ", "), "] ", c10::toString(dtype),
+            " tensor (use Decoder::NewKvStorage)"));
       }
     }
   }
@@ -1014,10 +1042,9 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
       at::Tensor k = RowRmsNorm(kp.view({r * hkv, d}), w.k_norm, eps).view({r, hkv, d});
       RowRotaryInPlace(q, b.cos, b.sin);
       RowRotaryInPlace(k, b.cos, b.sin);
-      // Cache: [blocks, Hkv, block_size, D]; row i goes to its block's slot.
-      char* kc = static_cast<char*>(kv.k[l].data_ptr());
+      // Cache: V [blocks, Hkv, block_size, D], K [blocks, Hkv, D, block_size];
+      // row i goes to its block's slot.
       char* vc = static_cast<char*>(kv.v[l].data_ptr());
-      const char* ks = static_cast<const char*>(k.data_ptr());
       const char* vs = static_cast<const char*>(v.data_ptr());
       for (int64_t i = 0; i < r; ++i) {
         const int64_t p = b.cache_index[i];
@@ -1025,9 +1052,13 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
         for (int64_t g = 0; g < hkv; ++g) {
           const size_t dst = static_cast<size_t>(((block * hkv + g) * bs + p % bs) * d) * elem;
           const size_t src = static_cast<size_t>((i * hkv + g) * d) * elem;
-          std::memcpy(kc + dst, ks + src, d * elem);
           std::memcpy(vc + dst, vs + src, d * elem);
         }
+      }
+      if (elem == 2) {
+        ScatterKeys<uint16_t>(k, kv.k[l], b.cache_index, b.table, bs);
+      } else {
+        ScatterKeys<uint32_t>(k, kv.k[l], b.cache_index, b.table, bs);
       }
       at::Tensor o = PagedAttention(q, kv.k[l], kv.v[l], b.runs, attention).view({r, hq * d});
       AddAttentionOut(b.prefill_rows, b.decode_rows, w, o, x);

@@ -153,8 +153,10 @@ struct PrefillInput {
 // Batched forward over a paged KV cache (the serving engine's model runner).
 // ---------------------------------------------------------------------------
 
-// The paged KV cache's storage: per layer, K and V as
-// [num_blocks, kv_heads, block_size, head_dim] in the compute dtype. Which
+// The paged KV cache's storage: per layer, K as [num_blocks, kv_heads,
+// head_dim, block_size] (keys dimension-major within a block, as
+// PagedAttention reads them) and V as [num_blocks, kv_heads, block_size,
+// head_dim], in the compute dtype. Which
 // block belongs to which sequence is the caller's business (block tables);
 // the decoder only reads and writes the blocks a chunk's table names.
 struct KvStorage {

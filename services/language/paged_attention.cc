@@ -46,7 +46,6 @@ struct Scratch {
   std::vector<float> q;       // [NQ, D] scaled queries
   std::vector<float> acc;     // [NQ, D]
   std::vector<float> m, l;    // [NQ] running max, running sum
-  std::vector<float> kt;      // [D, kStepBlocks·ldk] a step's key blocks, transposed (avx512)
   std::vector<float> kf, vf;  // [block, D] one key/value block in f32 (portable path)
   std::vector<float> s;       // [NQ, ldk] scores of one block (avx512: of a step's blocks)
   std::vector<float> e;       // [group, ldk] exp(score - max) of one query (avx512)
@@ -104,10 +103,11 @@ void ItemScalar(const Item& it, const Geometry& g, const T* q, const T* kc, cons
   for (int64_t b = 0; b <= last / bs; ++b) {
     const int64_t nk = std::min(bs, last + 1 - b * bs);
     const int64_t base = (static_cast<int64_t>(it.run->block_table[b]) * g.hkv + it.kv_head) * bs * d;
-    for (int64_t t = 0; t < nk * d; ++t) {
-      w.kf[t] = ToF(kc[base + t]);
-      w.vf[t] = ToF(vc[base + t]);
+    // Keys are stored dimension-major within a block ([D, bs]), values [bs, D].
+    for (int64_t t = 0; t < nk; ++t) {
+      for (int64_t k = 0; k < d; ++k) w.kf[t * d + k] = ToF(kc[base + k * bs + t]);
     }
+    for (int64_t t = 0; t < nk * d; ++t) w.vf[t] = ToF(vc[base + t]);
     for (int64_t i = it.i0; i < it.i1; ++i) {
       const int64_t valid = Visible(it, i, b, bs);
       if (valid <= 0) continue;
@@ -142,10 +142,11 @@ void ItemScalar(const Item& it, const Geometry& g, const T* q, const T* kc, cons
 
 // ---------------------------------------------------------------------------
 // AVX-512 path: scores of up to 4 query vectors × 16 keys per FMA chain
-// (keys transposed, sums over head_dim in order per lane; the keys of up to
-// kStepBlocks blocks at once so that 8 chains are in flight), exp over 16
-// scores at a time, values accumulated over head_dim from the cache as stored
-// (4 vectors of 16 at a time, head_dim % 16 == 0).
+// (keys read dimension-major as the cache stores them, sums over head_dim in
+// order per lane; the keys of up to kStepBlocks blocks at once so that 8
+// chains are in flight), exp over 16 scores at a time, values accumulated
+// over head_dim from the cache as stored (4 vectors of 16 at a time,
+// head_dim % 16 == 0).
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -176,55 +177,31 @@ VLM_AVX512 inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, fx));
 }
 
-// kt[c, t] = float(k[t, c]) for t < nk, 0 for nk <= t < ldk (ldk % 16 == 0);
-// kt's rows are ld_kt floats apart. bf16: one 32-bit gather fetches the pair
-// (c, c+1) of 16 keys (d is even).
-VLM_AVX512 inline void TransposeKeys(const Bf16* k, int64_t nk, int64_t d, int64_t ldk,
-                                     int64_t ld_kt, float* kt) {
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t t0 = 0; t0 < ldk; t0 += 16) {
-    const __mmask16 m = nk - t0 >= 16 ? static_cast<__mmask16>(0xFFFF)
-                        : nk > t0  ? static_cast<__mmask16>((1u << (nk - t0)) - 1u)
-                                   : static_cast<__mmask16>(0);
-    // Byte offsets of keys t0.. (row stride d bf16).
-    const __m512i rows = _mm512_mullo_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t0))),
-                                            _mm512_set1_epi32(static_cast<int>(2 * d)));
-    for (int64_t c = 0; c < d; c += 2) {
-      const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m,
-                                                    _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(2 * c))),
-                                                    k, 1);
-      _mm512_storeu_ps(kt + c * ld_kt + t0, _mm512_castsi512_ps(_mm512_slli_epi32(g, 16)));
-      _mm512_storeu_ps(kt + (c + 1) * ld_kt + t0, _mm512_castsi512_ps(_mm512_and_si512(g, high)));
-    }
-  }
+// 16 keys' element c from a block stored [D, bs]: lanes in `mask` read, the
+// rest 0 (bf16 widened exactly).
+VLM_AVX512 inline __m512 LoadKeys(const float* p, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+VLM_AVX512 inline __m512 LoadKeys(const Bf16* p, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-VLM_AVX512 inline void TransposeKeys(const float* k, int64_t nk, int64_t d, int64_t ldk,
-                                     int64_t ld_kt, float* kt) {
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t t0 = 0; t0 < ldk; t0 += 16) {
-    const __mmask16 m = nk - t0 >= 16 ? static_cast<__mmask16>(0xFFFF)
-                        : nk > t0  ? static_cast<__mmask16>((1u << (nk - t0)) - 1u)
-                                   : static_cast<__mmask16>(0);
-    const __m512i rows = _mm512_mullo_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(t0))),
-                                            _mm512_set1_epi32(static_cast<int>(4 * d)));
-    for (int64_t c = 0; c < d; ++c) {
-      const __m512 g = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
-                                                _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(4 * c))),
-                                                k, 1);
-      _mm512_storeu_ps(kt + c * ld_kt + t0, g);
-    }
-  }
-}
+// A group of up to 16 keys of one block: element c of key l at p[c·bs + l].
+template <typename T>
+struct KeyGroup {
+  const T* p = nullptr;
+  __mmask16 mask = 0;
+};
 
-// Scores of V query vectors (rows of q0, d apart) against J groups of 16
-// transposed keys (kt rows ld floats apart): s[v, 16j + l] = Σ_c q[v, c]·k[c, l],
-// one FMA chain per (v, j) over c in order. V·J chains in flight hide the FMA
-// latency (decode has V = 2: a 2-query tile alone would wait on it).
-template <int V, int J>
-VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const float* kt, int64_t ld,
-                                 float* s) {
+// Scores of V query vectors (rows of q0, d apart) against J key groups:
+// s[v, 16j + l] = Σ_c q[v, c]·k_j[c, l] (s rows ld floats apart), one FMA
+// chain per (v, j) over c in order. V·J chains in flight hide the FMA latency
+// (decode has V = 2: one 16-key group alone would wait on it). Keys are read
+// where the cache stores them, dimension-major, so no transposition is needed.
+template <int V, int J, typename T>
+VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const KeyGroup<T>* groups,
+                                 int64_t bs, int64_t ld, float* s) {
   __m512 acc[V][J];
 #pragma GCC unroll 4
   for (int v = 0; v < V; ++v)
@@ -233,7 +210,7 @@ VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const float* kt, in
   for (int64_t c = 0; c < d; ++c) {
     __m512 k[J];
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) k[j] = _mm512_loadu_ps(kt + c * ld + 16 * j);
+    for (int j = 0; j < J; ++j) k[j] = LoadKeys(groups[j].p + c * bs, groups[j].mask);
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       const __m512 qv = _mm512_set1_ps(q0[v * d + c]);
@@ -247,13 +224,13 @@ VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const float* kt, in
     for (int j = 0; j < J; ++j) _mm512_storeu_ps(s + v * ld + 16 * j, acc[v][j]);
 }
 
-// ScoreTile over `groups` key groups for V query vectors.
-template <int V, int J>
-VLM_AVX512 inline void ScoreRows(const float* q0, int64_t d, const float* kt, int64_t ld,
-                                 int64_t groups, float* s) {
+// ScoreTile over `count` key groups for V query vectors.
+template <int V, int J, typename T>
+VLM_AVX512 inline void ScoreRows(const float* q0, int64_t d, const KeyGroup<T>* groups,
+                                 int64_t count, int64_t bs, int64_t ld, float* s) {
   int64_t j = 0;
-  for (; j + J <= groups; j += J) ScoreTile<V, J>(q0, d, kt + 16 * j, ld, s + 16 * j);
-  for (; j < groups; ++j) ScoreTile<V, 1>(q0, d, kt + 16 * j, ld, s + 16 * j);
+  for (; j + J <= count; j += J) ScoreTile<V, J>(q0, d, groups + j, bs, ld, s + 16 * j);
+  for (; j < count; ++j) ScoreTile<V, 1>(q0, d, groups + j, bs, ld, s + 16 * j);
 }
 
 // acc_h[c] += Σ_t e_h[t]·v[t, c] for H heads (acc_h d floats apart, e_h ld_e
@@ -303,12 +280,14 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
                            const T* vc, Scratch& w, T* out) {
   Begin(it, g, q, w);
   const int64_t bs = g.block_size, d = g.d;
-  const int64_t ldk = (bs + 15) / 16 * 16;  // one block's columns in kt and s
-  const int64_t ld = kStepBlocks * ldk;     // row stride of kt and s
+  const int64_t ldk = (bs + 15) / 16 * 16;  // one block's columns in s
+  const int64_t ld = kStepBlocks * ldk;     // row stride of s
   const int64_t nq = (it.i1 - it.i0) * g.group;
   const int64_t last = it.run->start + it.i1 - 1;
   const int64_t nblocks = last / bs + 1;
-  w.kt.resize(d * ld);
+  const int64_t per_block = ldk / 16;  // key groups of a block
+  thread_local std::vector<KeyGroup<T>> groups;
+  groups.resize(kStepBlocks * per_block);
   w.s.resize(nq * ld);
   w.e.resize(g.group * ldk);
   auto base = [&](int64_t b) {
@@ -316,26 +295,28 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
   };
   for (int64_t b0 = 0; b0 < nblocks; b0 += kStepBlocks) {
     const int64_t nb = std::min(kStepBlocks, nblocks - b0);
-    // Keys of the step's blocks transposed side by side: block j at column
-    // j·ldk of [D, ld] (zero padding after a block's last key).
+    // The step's keys as groups of 16: block j's scores at columns j·ldk..
+    // of s (lanes past the block's size read as 0).
     for (int64_t j = 0; j < nb; ++j) {
-      const int64_t b = b0 + j;
-      TransposeKeys(kc + base(b), std::min(bs, last + 1 - b * bs), d, ldk, ld,
-                    w.kt.data() + j * ldk);
+      const T* kb = kc + base(b0 + j);
+      for (int64_t u = 0; u < per_block; ++u) {
+        const int64_t n = std::min<int64_t>(16, bs - 16 * u);
+        groups[j * per_block + u] = {kb + 16 * u, static_cast<__mmask16>((1u << n) - 1u)};
+      }
     }
     // Scores of every query vector of the item against the step's keys:
     // s[v, t] = Σ_c q[v, c]·k[t, c], summed over c in order (per lane).
     // Query vectors that see fewer keys compute a few unused scores.
-    const int64_t groups = nb * ldk / 16;
+    const int64_t count = nb * per_block;
     int64_t v0 = 0;
     for (; v0 + 4 <= nq; v0 += 4) {
-      ScoreRows<4, 2>(w.q.data() + v0 * d, d, w.kt.data(), ld, groups, w.s.data() + v0 * ld);
+      ScoreRows<4, 2>(w.q.data() + v0 * d, d, groups.data(), count, bs, ld, w.s.data() + v0 * ld);
     }
     for (; v0 + 2 <= nq; v0 += 2) {
-      ScoreRows<2, 4>(w.q.data() + v0 * d, d, w.kt.data(), ld, groups, w.s.data() + v0 * ld);
+      ScoreRows<2, 4>(w.q.data() + v0 * d, d, groups.data(), count, bs, ld, w.s.data() + v0 * ld);
     }
     for (; v0 < nq; ++v0) {
-      ScoreRows<1, 4>(w.q.data() + v0 * d, d, w.kt.data(), ld, groups, w.s.data() + v0 * ld);
+      ScoreRows<1, 4>(w.q.data() + v0 * d, d, groups.data(), count, bs, ld, w.s.data() + v0 * ld);
     }
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t b = b0 + j;
@@ -459,23 +440,25 @@ at::Tensor PagedAttention(const at::Tensor& q, const at::Tensor& k_cache,
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "paged attention: q must be a contiguous [R, Hq, D] float32/bf16 tensor, got ",
               q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type() && k_cache.size(3) == q.size(2),
-              "paged attention: caches must be contiguous [blocks, Hkv, block_size, ", q.size(2),
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type() && v_cache.size(3) == q.size(2) &&
+                  k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
+              "paged attention: caches must be contiguous K [blocks, Hkv, ", q.size(2),
+              ", block_size] and V [blocks, Hkv, block_size, ", q.size(2),
               "] in q's dtype, got ", k_cache.sizes(), " and ", v_cache.sizes());
   Geometry g;
   g.hq = q.size(1);
-  g.hkv = k_cache.size(1);
+  g.hkv = v_cache.size(1);
   g.d = q.size(2);
-  g.block_size = k_cache.size(2);
+  g.block_size = v_cache.size(2);
   g.scale = static_cast<float>(options.scale);
   TORCH_CHECK(g.hkv > 0 && g.hq % g.hkv == 0 && g.block_size > 0 && g.d > 0,
               "paged attention: ", g.hq, " query heads over ", g.hkv, " KV heads, block size ",
               g.block_size);
   g.group = g.hq / g.hkv;
-  const int64_t rows = q.size(0), blocks = k_cache.size(0);
+  const int64_t rows = q.size(0), blocks = v_cache.size(0);
   const int64_t tile = std::max<int64_t>(1, options.query_tile);
   std::vector<Item> items;
   for (const PagedQueryRun& run : runs) {

@@ -65,9 +65,10 @@ struct PagedAttentionOptions {
   int64_t query_tile = 16;
 };
 
-// q: [R, Hq, D] float32 or bf16, contiguous; k_cache, v_cache:
-// [num_blocks, Hkv, block_size, D] in q's dtype, contiguous; Hq a multiple of
-// Hkv. Returns [R, Hq, D] in q's dtype; rows no run covers are zero. Throws
+// q: [R, Hq, D] float32 or bf16, contiguous; k_cache: [num_blocks, Hkv, D,
+// block_size] (a block's keys dimension-major, so 16 keys' element c are one
+// vector load), v_cache: [num_blocks, Hkv, block_size, D]; both in q's dtype,
+// contiguous; Hq a multiple of Hkv. Returns [R, Hq, D] in q's dtype; rows no run covers are zero. Throws
 // c10::Error for bad shapes, runs outside q or block ids outside the cache.
 at::Tensor PagedAttention(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, absl::Span<const PagedQueryRun> runs,

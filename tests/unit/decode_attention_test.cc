@@ -110,7 +110,7 @@ struct PagedShape {
 // A KV cache of `blocks` random blocks and runs of several sequences whose
 // block tables are random permutations of disjoint block ids.
 struct PagedSetup {
-  at::Tensor q, k, v;                     // [R, Hq, D], [blocks, Hkv, bs, D] x2
+  at::Tensor q, k, v;                     // [R, Hq, D], K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D]
   std::vector<std::vector<int32_t>> tables;
   std::vector<PagedQueryRun> runs;
 };
@@ -125,7 +125,7 @@ PagedSetup MakePaged(const PagedShape& s, at::ScalarType dtype,
     blocks += (start + count + s.block_size - 1) / s.block_size;
   }
   p.q = (at::randn({rows, s.hq, s.d}) * 2).to(dtype);
-  p.k = at::randn({blocks + 3, s.hkv, s.block_size, s.d}).to(dtype);
+  p.k = at::randn({blocks + 3, s.hkv, s.block_size, s.d}).to(dtype).transpose(2, 3).contiguous();
   p.v = at::randn({blocks + 3, s.hkv, s.block_size, s.d}).to(dtype);
   const at::Tensor perm = at::randperm(blocks + 3, at::TensorOptions().dtype(at::kLong));
   int64_t row = 0, next = 0;
@@ -144,7 +144,7 @@ PagedSetup MakePaged(const PagedShape& s, at::ScalarType dtype,
 // softmax(q·kᵀ·scale)·v in float32 per query over keys 0..p, keys gathered
 // through the table.
 at::Tensor PagedReference(const PagedSetup& p, double scale) {
-  const int64_t hq = p.q.size(1), hkv = p.k.size(1), d = p.k.size(3);
+  const int64_t hq = p.q.size(1), hkv = p.v.size(1), d = p.v.size(3);
   at::Tensor out = at::zeros(p.q.sizes(), at::TensorOptions().dtype(at::kFloat));
   for (const PagedQueryRun& run : p.runs) {
     std::vector<int64_t> ids(run.block_table.begin(), run.block_table.end());
@@ -153,7 +153,7 @@ at::Tensor PagedReference(const PagedSetup& p, double scale) {
     auto gather = [&](const at::Tensor& c) {
       return c.index_select(0, index).transpose(0, 1).reshape({hkv, -1, d}).to(at::kFloat);
     };
-    const at::Tensor k = gather(p.k), v = gather(p.v);
+    const at::Tensor k = gather(p.k.transpose(2, 3)), v = gather(p.v);
     for (int64_t i = 0; i < run.count; ++i) {
       const int64_t len = run.start + i + 1;
       const at::Tensor q = p.q[run.row + i].to(at::kFloat).view({hkv, hq / hkv, d});

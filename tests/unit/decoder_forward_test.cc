@@ -129,9 +129,11 @@ std::vector<at::Tensor> SeqKv(const KvStorage& kv, const Seq& s, int64_t length)
   const at::Tensor index = at::tensor(blocks, at::TensorOptions().dtype(at::kLong));
   for (const auto* side : {&kv.k, &kv.v}) {
     for (const at::Tensor& t : *side) {
-      // [blocks, Hkv, bs, D] -> [blocks·bs, Hkv, D] in token order
-      at::Tensor b = t.index_select(0, index).transpose(1, 2);
-      out.push_back(b.reshape({-1, t.size(1), t.size(3)}).narrow(0, 0, length));
+      // V [blocks, Hkv, bs, D] (K [blocks, Hkv, D, bs]) -> [blocks·bs, Hkv, D]
+      // in token order
+      at::Tensor b = side == &kv.k ? t.index_select(0, index).permute({0, 3, 1, 2})
+                                   : t.index_select(0, index).transpose(1, 2);
+      out.push_back(b.reshape({-1, b.size(2), b.size(3)}).narrow(0, 0, length));
     }
   }
   return out;
@@ -738,6 +740,8 @@ TEST(DecoderForwardTest, KvStorageSizesFollowTheModel) {
   EXPECT_EQ(kv.bytes(), 160 * m.decoder->kv_bytes_per_token());
   ASSERT_EQ(static_cast<int64_t>(kv.k.size()), t.num_hidden_layers);
   EXPECT_EQ(kv.k[0].sizes().vec(),
+            (std::vector<int64_t>{10, t.num_key_value_heads, t.head_dim, 16}));
+  EXPECT_EQ(kv.v[0].sizes().vec(),
             (std::vector<int64_t>{10, t.num_key_value_heads, 16, t.head_dim}));
 }
 
