@@ -110,6 +110,9 @@ struct GemmOptions {
   std::optional<GemmPath> path;
   // Threads (the caller included); 0: DefaultThreads().
   int threads = 0;
+  // Panels (32 output columns each) per work chunk; 0: automatic (2 for at
+  // most 4 rows, else 8). For side-by-side benchmarks; never changes a result.
+  int panels_per_chunk = 0;
 };
 
 // y = act(x·wᵀ + bias) + residual, summed in f32, rounded once to y's dtype.

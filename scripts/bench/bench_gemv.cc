@@ -12,6 +12,8 @@
 //                       [--impls torch,avx512bf16,avx512bf16-fused,avx512,avx2,scalar]
 // gemm: the decoder's packed path (kernels::Gemm, q|k|v and gate|up packed
 // together, SiLU·up fused); B = 8 on it costs about what B = 1 does.
+// gemm-cN: the same with N panels per work chunk (GemmOptions::panels_per_chunk;
+// gemm-c8 is the chunking decode used before the automatic choice).
 // --batches: tokens per step (x is [B, in]), e.g. 1,4,8.
 #include <chrono>
 #include <cstdio>
@@ -48,8 +50,9 @@ struct Impl {
   std::string name;
   bool torch = false;
   // kernels::Gemm on packed weights (q|k|v and gate|up packed together, as
-  // the decoder packs them).
+  // the decoder packs them); "gemm-cN": N panels per work chunk.
   bool gemm = false;
+  int panels_per_chunk = 0;
   vlm::GemvPath path = vlm::GemvPath::kScalar;
   bool fused = false;  // GemvMulti for q/k/v and gate/up
 };
@@ -100,6 +103,7 @@ double Step(const Impl& impl, const Model& m, Acts& a, Times* times) {
   const auto start = Clock::now();
   if (impl.gemm) {
     vlm::kernels::GemmOptions go;
+    go.panels_per_chunk = impl.panels_per_chunk;
     vlm::kernels::GemmOptions gu = go;
     gu.activation = vlm::kernels::Activation::kSiluMul;
     for (const std::vector<vlm::kernels::PackedWeight>& w : m.packed) {
@@ -163,8 +167,9 @@ int main(int argc, char** argv) {
     impl.name = name;
     if (name == "torch") {
       impl.torch = true;
-    } else if (name == "gemm") {
+    } else if (name == "gemm" || name.rfind("gemm-c", 0) == 0) {
       impl.gemm = true;
+      if (name.size() > 6) impl.panels_per_chunk = std::atoi(name.c_str() + 6);
     } else {
       const bool fused = name.size() > 6 && name.compare(name.size() - 6, 6, "-fused") == 0;
       absl::StatusOr<vlm::GemvPath> p =
