@@ -21,7 +21,9 @@
 // VDPBF16PS (32 MACs per instruction). Implementations interleave per shape.
 //
 // Usage: vlm-bench-gemv-int8 [--layers 28] [--reps 5] [--threads 2] [--batches 1,2,4,8]
-//        [--prefill_reps 5]
+//        [--prefill_reps 5] [--prefill_only_int8 1 (prefill table: int8 in one call only,
+//        for quick tuning runs)]
+//   e.g. --batches 1,8,64,512: decode steps at 1 and 8, prefill table at 8, 64, 512.
 #include <atomic>
 #include <chrono>
 #include <functional>
