@@ -19,11 +19,17 @@
 // the compute bounds measured in the same repetition by register-only loops:
 // VPDPBUSD (two per 64 weights per row: 32 weight MACs per instruction) and
 // VDPBF16PS (32 MACs per instruction). Implementations interleave per shape.
+// The same bf16 and int8 calls also run on one thread timed by its CPU clock
+// (next to the VPDPBUSD loop timed the same way): on a machine shared with
+// other work, wall times and the wall-time peaks move by tens of percent
+// between repetitions, the CPU-time columns by a few.
 //
 // Usage: vlm-bench-gemv-int8 [--layers 28] [--reps 5] [--threads 2] [--batches 1,2,4,8]
 //        [--prefill_reps 5] [--prefill_only_int8 1 (prefill table: int8 in one call only,
 //        for quick tuning runs)]
 //   e.g. --batches 1,8,64,512: decode steps at 1 and 8, prefill table at 8, 64, 512.
+#include <time.h>
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -149,6 +155,28 @@ double PeakBf16(int threads, int64_t iters = 4'000'000) {
   return static_cast<double>(iters) * 24 * 32 * 2 * threads / s / 1e9;
 }
 
+double ThreadCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+std::string Ratio(double num, double den) {
+  if (num <= 0 || den <= 0) return "";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2fx", num / den);
+  return buf;
+}
+
+// g: GFLOP/s by implementation, in the order of RunPrefill's enum.
+void PrintPrefillRow(int m, const char* shape, const double* g, double p8, double p16, double p8c) {
+  const double bf16 = g[0], int8 = g[1], by8 = g[2], bf16_1 = g[3], int8_1 = g[4];
+  std::printf("| %d | %s | %.0f | %.0f | %.0f | %.0f%% | %.0f%% | %s | %s | %.0f | %.0f | %.0f%% | %s |\n",
+              m, shape, bf16, int8, by8, 100 * int8 / p8, p16 > 0 ? 100 * bf16 / p16 : 0.0,
+              Ratio(bf16, int8).c_str(), Ratio(int8, by8).c_str(), bf16_1, int8_1,
+              100 * int8_1 / p8c, Ratio(bf16_1, int8_1).c_str());
+}
+
 // Prefill table: per layer shape and M, GFLOP/s (median over reps) of bf16
 // Gemm, int8 in one call, int8 in calls of 8 rows, and both peaks.
 void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool only_int8) {
@@ -169,15 +197,29 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
     w8.push_back(*q);
   }
   // By (batch, shape): seconds per implementation; peaks per batch.
-  enum { kBf16, kInt8, kInt8By8, kImpls };
+  // k*Cpu1: on one thread (the kernels then run inline on the caller), timed
+  // by the thread's CPU clock, which time stolen by other processes on a
+  // shared machine does not inflate.
+  enum { kBf16, kInt8, kInt8By8, kBf16Cpu1, kInt8Cpu1, kImpls };
   std::map<std::pair<int, int>, std::vector<double>> t[kImpls];
-  std::vector<double> peak8, peak16;
+  std::vector<double> peak8, peak16, peak8_cpu1;
   auto run = [&](int impl, const at::Tensor& x, int i, at::Tensor* y) {
     const auto start = Clock::now();
+    const double cpu_start = ThreadCpuSeconds();
     if (impl == kBf16) {
       CheckOk(vlm::kernels::Gemm(x, w16[i], y), "gemm");
     } else if (impl == kInt8) {
       CheckOk(vlm::kernels::GemvInt8(x, w8[i], y), "int8 gemv");
+    } else if (impl == kBf16Cpu1) {
+      vlm::kernels::GemmOptions o;
+      o.threads = 1;
+      CheckOk(vlm::kernels::Gemm(x, w16[i], y, o), "gemm");
+      return ThreadCpuSeconds() - cpu_start;
+    } else if (impl == kInt8Cpu1) {
+      vlm::kernels::GemvInt8Options o;
+      o.threads = 1;
+      CheckOk(vlm::kernels::GemvInt8(x, w8[i], y, o), "int8 gemv");
+      return ThreadCpuSeconds() - cpu_start;
     } else {
       for (int64_t r = 0; r < x.size(0); r += 8) {
         const int64_t rows = std::min<int64_t>(8, x.size(0) - r);
@@ -193,6 +235,11 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
   }
   for (int r = -1; r < reps; ++r) {  // r = -1: warm-up
     peak8.push_back(PeakInt8(threads));
+    {
+      const double c0 = ThreadCpuSeconds();
+      VnniLoop(2'000'000);
+      peak8_cpu1.push_back(2'000'000.0 * 24 * 32 * 2 / (ThreadCpuSeconds() - c0) / 1e9);
+    }
     if (have_bf16) peak16.push_back(PeakBf16(threads));
     for (int b : batches) {
       for (int i = 0; i < 7; ++i) {
@@ -200,7 +247,8 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
         at::Tensor y = at::empty({b, kLayerShapes[i].out}, at::kBFloat16);
         for (int impl = 0; impl < kImpls; ++impl) {
           if (impl == kBf16 && !have_bf16) continue;
-          if (only_int8 && impl != kInt8) continue;
+          if ((impl == kBf16 || impl == kBf16Cpu1) && !have_bf16) continue;
+          if (only_int8 && impl != kInt8 && impl != kInt8Cpu1) continue;
           const double sec = run(impl, x, i, &y);
           if (r >= 0) t[impl][{b, i}].push_back(sec);
         }
@@ -210,13 +258,21 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
                  vlm::bench::LoadAverage().c_str());
   }
   peak8.erase(peak8.begin());
+  peak8_cpu1.erase(peak8_cpu1.begin());
   if (!peak16.empty()) peak16.erase(peak16.begin());
   const double p8 = vlm::bench::Median(peak8), p16 = vlm::bench::Median(peak16);
+  const double p8c = vlm::bench::Median(peak8_cpu1);
   std::printf("peaks (register-only loops, median over reps): VPDPBUSD %.0f GFLOP/s "
-              "(int8 weights x int16 activations), VDPBF16PS %.0f GFLOP/s\n\n", p8, p16);
+              "(int8 weights x int16 activations), VDPBF16PS %.0f GFLOP/s, %d threads wall; "
+              "VPDPBUSD on 1 thread by its CPU time %.0f GFLOP/s\n\n", p8, p16, threads, p8c);
+  std::printf("Wall time, %d threads: bf16 Gemm, int8 one call, int8 by 8 rows (the decoder "
+              "before), share of the peaks, time ratios. 1 thr CPU: the same calls on one thread "
+              "by its CPU time (robust to other load), and int8's share of the 1-thread peak.\n\n",
+              threads);
   std::printf("| M | shape | bf16 Gemm | int8 one call | int8 by 8 rows (old) | int8 %% of VPDPBUSD "
-              "peak | bf16 %% of VDPBF16PS peak | int8 time / bf16 time | one call vs by 8 |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+              "peak | bf16 %% of VDPBF16PS peak | int8 time / bf16 time | one call vs by 8 | "
+              "1 thr CPU: bf16 | 1 thr CPU: int8 | int8 %% of 1-thr peak | 1 thr int8 / bf16 time |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int b : batches) {
     double sum[kImpls] = {};
     double flops_total = 0;
@@ -230,16 +286,11 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
         sum[impl] += sec;
         g[impl] = sec > 0 ? flops / sec / 1e9 : 0;
       }
-      std::printf("| %d | %s | %.0f | %.0f | %.0f | %.0f%% | %.0f%% | %.2fx | %.2fx |\n", b, s.name,
-                  g[kBf16], g[kInt8], g[kInt8By8], 100 * g[kInt8] / p8,
-                  p16 > 0 ? 100 * g[kBf16] / p16 : 0.0, g[kBf16] > 0 ? g[kBf16] / g[kInt8] : 0.0,
-                  g[kInt8] / g[kInt8By8]);
+      PrintPrefillRow(b, s.name, g, p8, p16, p8c);
     }
     double g[kImpls];
     for (int impl = 0; impl < kImpls; ++impl) g[impl] = sum[impl] > 0 ? flops_total / sum[impl] / 1e9 : 0;
-    std::printf("| %d | layer | %.0f | %.0f | %.0f | %.0f%% | %.0f%% | %.2fx | %.2fx |\n", b, g[kBf16],
-                g[kInt8], g[kInt8By8], 100 * g[kInt8] / p8, p16 > 0 ? 100 * g[kBf16] / p16 : 0.0,
-                g[kBf16] > 0 ? g[kBf16] / g[kInt8] : 0.0, g[kInt8] / g[kInt8By8]);
+    PrintPrefillRow(b, "layer", g, p8, p16, p8c);
   }
 }
 
