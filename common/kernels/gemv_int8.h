@@ -1,4 +1,4 @@
-// Decode-time matrix-vector products over int8 weights (quantize.h):
+// Matrix products over int8 weights (quantize.h), decode steps and prefill chunks:
 // y[b, n] = row_scale[n] · Σ_groups ratio[n, g]·d[b, g] · Σ_{k in g} xq[b, k]·q[n, k].
 //
 // Activations are quantized to int16 per group of 32 (the weights' groups):
@@ -16,8 +16,14 @@
 // (the same integer sums, scaled and summed in order); they agree to f32
 // rounding. VLM_GEMV_INT8_PATH=avx512vnni|scalar|auto forces one for the process.
 // Each batch row's result is independent of the other rows in the call and of
-// the batch size (bit for bit on each path).
-// Threads: output rows split over common/kernels/thread_pool.h.
+// the batch size (bit for bit on each path): a prefill chunk's rows equal
+// what 1-row decode calls give.
+// Batches of up to 8 rows (decode) stream each weight row once per call with
+// software prefetch; larger ones (prefill) quantize all rows once and walk
+// the weights in blocks of 64 rows that stay in L2, each block serving every
+// batch row, so the weights also come from DRAM once per call.
+// Threads: output rows split over common/kernels/thread_pool.h (prefill also
+// splits the quantization of x by rows).
 // Thread-safe; x and w are only read.
 #pragma once
 
@@ -47,8 +53,7 @@ struct GemvInt8Options {
   int threads = 0;                   // 0: DefaultThreads()
 };
 
-// x: [B, K] bf16 or f32 (B = 1..8 is what it is for; any B works), unit stride
-// along K. y: [B, N] f32 or bf16, unit stride along N; allocated as f32 when
+// x: [B, K] bf16 or f32, any B, unit stride along K. y: [B, N] f32 or bf16, unit stride along N; allocated as f32 when
 // undefined. INVALID_ARGUMENT names a mismatch.
 absl::Status GemvInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor* y,
                       const GemvInt8Options& options = {});

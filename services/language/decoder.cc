@@ -40,21 +40,13 @@ absl::Status Internal(const char* where, const c10::Error& e) {
 // linear; caught at the API boundary like LibTorch's own errors.
 void Check(const absl::Status& s) { TORCH_CHECK(s.ok(), "kernel: ", s.ToString()); }
 
-// kernels::GemvInt8 is built for a few rows at a time; its rows are
-// independent, so any grouping gives the same row results.
-constexpr int64_t kInt8Rows = 8;
-
-// y = x·wᵀ over int8 weights, in groups of kInt8Rows rows. x: [R, K] bf16 or
-// f32, y: [R, N] of `dtype`.
+// y = x·wᵀ over int8 weights in one call for all R rows: prefill chunks read
+// the weights once (GemvInt8 blocks its rows in L2), and each row's result is
+// the same as in a decode call. x: [R, K] bf16 or f32, y: [R, N] of `dtype`.
 at::Tensor Int8Rows(const at::Tensor& x, const kernels::QuantizedWeight& w,
                     at::ScalarType dtype = at::kBFloat16) {
-  const int64_t r = x.size(0);
-  at::Tensor y = at::empty({r, w.n()}, x.options().dtype(dtype));
-  for (int64_t i = 0; i < r; i += kInt8Rows) {
-    const int64_t rows = std::min(kInt8Rows, r - i);
-    at::Tensor part = y.narrow(0, i, rows);
-    Check(kernels::GemvInt8(x.narrow(0, i, rows), w, &part));
-  }
+  at::Tensor y = at::empty({x.size(0), w.n()}, x.options().dtype(dtype));
+  Check(kernels::GemvInt8(x, w, &y));
   return y;
 }
 

@@ -4,9 +4,11 @@
 // decoder layer's logits int8 vs bf16.
 #include "common/kernels/gemv_int8.h"
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -204,6 +206,58 @@ TEST_P(GemvInt8PathTest, EachBatchRowIsIndependentOfTheBatch) {
     at::Tensor three;  // rows 4..6 as a batch of 3
     ASSERT_TRUE(GemvInt8(x.narrow(0, 4, 3), *q, &three, options_).ok());
     EXPECT_TRUE(at::equal(three, all.narrow(0, 4, 3))) << "K=" << k;
+  }
+}
+
+// Prefill-sized batches (more than 8 rows: the weights are read once per call
+// and every row block serves all batch rows) give each row bit for bit what
+// a 1-row decode call gives, for every batch size 1..70 and 512, at batch
+// offsets that are not multiples of the row groups, with K tails inside and
+// after the 512-element blocks (700 = 512 + 5 groups + 28, 1100), N not a
+// multiple of the row tiles or blocks (33, 131) and bf16 or f32 output.
+TEST_P(GemvInt8PathTest, PrefillBatchRowsAreBitIdenticalToOneRowCalls) {
+  for (auto [n, k] : {std::array<int64_t, 2>{131, 700}, {33, 2048}, {67, 1100}}) {
+    const at::Tensor w = at::randn({n, k}) * 0.05;
+    absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+    ASSERT_TRUE(q.ok());
+    const int64_t rows = 520;
+    const at::Tensor x = HiddenWithOutliers(rows, k).to(at::kBFloat16);
+    for (at::ScalarType out : {at::kFloat, at::kBFloat16}) {
+      std::vector<at::Tensor> one(rows);
+      for (int64_t i = 0; i < rows; ++i) {
+        one[i] = at::empty({1, n}, out);
+        ASSERT_TRUE(GemvInt8(x.narrow(0, i, 1), *q, &one[i], options_).ok());
+      }
+      std::vector<int64_t> batches;
+      for (int64_t b = 1; b <= 70; ++b) batches.push_back(b);
+      batches.push_back(512);
+      for (int64_t b : batches) {
+        const int64_t offset = b % 5;
+        at::Tensor y = at::empty({b, n}, out);
+        ASSERT_TRUE(GemvInt8(x.narrow(0, offset, b), *q, &y, options_).ok());
+        for (int64_t i = 0; i < b; ++i) {
+          ASSERT_TRUE(at::equal(y[i], one[offset + i][0]))
+              << "N=" << n << " K=" << k << " B=" << b << " row " << i << " " << out;
+        }
+      }
+    }
+  }
+}
+
+// The same with x rows that are a column slice of a wider tensor (row stride
+// larger than K), as the decoder's views can be.
+TEST_P(GemvInt8PathTest, PrefillBatchWithRowStrideMatchesOneRowCalls) {
+  const at::Tensor w = at::randn({70, 600}) * 0.05;
+  absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+  ASSERT_TRUE(q.ok());
+  const at::Tensor wide = HiddenWithOutliers(40, 900);
+  const at::Tensor x = wide.narrow(1, 150, 600);  // [40, 600], row stride 900
+  at::Tensor y;
+  ASSERT_TRUE(GemvInt8(x, *q, &y, options_).ok());
+  for (int64_t i = 0; i < 40; ++i) {
+    at::Tensor one;
+    ASSERT_TRUE(GemvInt8(x.narrow(0, i, 1), *q, &one, options_).ok());
+    EXPECT_TRUE(at::equal(y[i], one[0])) << "row " << i;
   }
 }
 
