@@ -59,6 +59,7 @@
 #include "common/kernels/gemm_internal.h"
 #include "common/kernels/thread_pool.h"
 #include "common/omp_wait_policy.h"
+#include "scripts/bench/on_threads.h"
 
 namespace {
 
@@ -96,26 +97,7 @@ double Seconds(const std::function<void()>& fn) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Runs fn(thread) on `threads` threads started together; wall seconds.
-double OnThreads(int threads, const std::function<void(int)>& fn) {
-  std::atomic<int> ready{0};
-  std::atomic<bool> go{false};
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      ready.fetch_add(1);
-      while (!go.load()) {
-      }
-      fn(t);
-    });
-  }
-  while (ready.load() < threads - 1) std::this_thread::yield();
-  const auto t0 = Clock::now();
-  go.store(true);
-  fn(0);
-  for (auto& th : pool) th.join();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using vlm::bench::OnThreads;
 
 // --- peak micro-kernels ------------------------------------------------------
 // 24 independent accumulators, operands in registers: the VDPBF16PS issue rate.

@@ -55,6 +55,7 @@
 #include "common/kernels/quantize.h"
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/gemv_bench.h"
+#include "scripts/bench/on_threads.h"
 #include "services/language/gemv.h"
 
 namespace {
@@ -67,26 +68,7 @@ using vlm::bench::kLayerShapes;
 using vlm::bench::RandomBf16;
 using vlm::bench::Shape;
 
-// Runs fn(thread) on `threads` threads started together; wall seconds.
-double OnThreads(int threads, const std::function<void(int)>& fn) {
-  std::atomic<int> ready{0};
-  std::atomic<bool> go{false};
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      ready.fetch_add(1);
-      while (!go.load()) {
-      }
-      fn(t);
-    });
-  }
-  while (ready.load() < threads - 1) std::this_thread::yield();
-  const auto t0 = Clock::now();
-  go.store(true);
-  fn(0);
-  for (auto& th : pool) th.join();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using vlm::bench::OnThreads;
 
 // Register-only issue-rate loops with 24 independent accumulators. VPDPBUSD
 // in inline assembly: from intrinsics GCC 12 copied accumulators through the
