@@ -60,6 +60,7 @@
 #include "common/kernels/thread_pool.h"
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/on_threads.h"
+#include "scripts/bench/peak_bf16.h"
 
 namespace {
 
@@ -100,30 +101,10 @@ double Seconds(const std::function<void()>& fn) {
 using vlm::bench::OnThreads;
 
 // --- peak micro-kernels ------------------------------------------------------
-// 24 independent accumulators, operands in registers: the VDPBF16PS issue rate.
-// The accumulators start from different values: were they equal, the compiler
-// would fold the 24 identical chains into one (it did, and the "peak" was one
-// latency-bound chain counted 24 times).
-__attribute__((target("avx512f,avx512bf16"), noinline)) float Avx512Bf16Loop(int64_t iters) {
-  __m512 acc[24];
-#pragma GCC unroll 24
-  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = (__m512bh)_mm512_set1_epi32(0x00010001);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 24
-    for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    __asm__ volatile("" : "+v"(a), "+v"(b));
-  }
-  __m512 s = acc[0];
-#pragma GCC unroll 24
-  for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, acc[i]);
-  return _mm512_reduce_add_ps(s);
-}
-
+// VDPBF16PS: scripts/bench/peak_bf16.h.
+using vlm::bench::Avx512Bf16Loop;
 double PeakAvx512Bf16(int threads, int64_t iters = 20'000'000) {
-  std::vector<float> sink(threads);
-  const double s = OnThreads(threads, [&](int t) { sink[t] = Avx512Bf16Loop(iters); });
-  return static_cast<double>(iters) * 24 * 16 * 4 * threads / s / 1e9;  // 16 lanes x 2 MACs
+  return vlm::bench::PeakAvx512Bf16(threads, iters);
 }
 
 struct alignas(64) TileConfig {

@@ -56,6 +56,7 @@
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/gemv_bench.h"
 #include "scripts/bench/on_threads.h"
+#include "scripts/bench/peak_bf16.h"
 #include "services/language/gemv.h"
 
 namespace {
@@ -106,24 +107,6 @@ __attribute__((target("avx512f,avx512vnni"), noinline)) void VnniLoop(int64_t it
   }
 }
 
-// The accumulators start from different values: were they equal, the compiler
-// would fold the 24 identical chains into one.
-__attribute__((target("avx512f,avx512bf16"), noinline)) float Bf16Loop(int64_t iters) {
-  __m512 acc[24];
-#pragma GCC unroll 24
-  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = (__m512bh)_mm512_set1_epi32(0x00010001);
-  for (int64_t it = 0; it < iters; ++it) {
-#pragma GCC unroll 24
-    for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    __asm__ volatile("" : "+v"(a), "+v"(b));
-  }
-  __m512 s = acc[0];
-#pragma GCC unroll 24
-  for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, acc[i]);
-  return _mm512_reduce_add_ps(s);
-}
-
 // GFLOP/s of weight-times-activation MACs at the loops' issue rate, `threads` threads:
 // VPDPBUSD does 64 u8·s8 products, i.e. 32 int8-weight × int16-activation MACs
 // (hi and lo parts); VDPBF16PS does 32 bf16 MACs.
@@ -132,9 +115,7 @@ double PeakInt8(int threads, int64_t iters = 4'000'000) {
   return static_cast<double>(iters) * 24 * 32 * 2 * threads / s / 1e9;
 }
 double PeakBf16(int threads, int64_t iters = 4'000'000) {
-  std::vector<float> sink(threads);
-  const double s = OnThreads(threads, [&](int t) { sink[t] = Bf16Loop(iters); });
-  return static_cast<double>(iters) * 24 * 32 * 2 * threads / s / 1e9;
+  return vlm::bench::PeakAvx512Bf16(threads, iters);
 }
 
 double ThreadCpuSeconds() {
