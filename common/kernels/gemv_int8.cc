@@ -221,6 +221,7 @@ struct Output {
   void* y = nullptr;
   bool bf16 = false;
   int64_t n = 0;
+  bool prefetch_l1 = false;  // GemvInt8Options::prefetch_l1
   void Store(int64_t b, int64_t row, float v) const {
     if (bf16) static_cast<c10::BFloat16*>(y)[b * n + row] = c10::BFloat16(v);
     else static_cast<float*>(y)[b * n + row] = v;
@@ -264,10 +265,21 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
 // nothing: every (row, batch row) gets the same f32 operations whatever the
 // tile and batch, which keeps decode rows batch-invariant bit for bit. Tail
 // groups (after the last full block) are summed in scalar integers.
-// Software prefetch 2 KiB ahead along the weight row (one 2B row at K = 2048):
-// measured against 512, 4096 and none in vlm-bench-gemv-int8, 2048 gave the
-// best int8 / bf16 ratio at B = 1 (1.82-1.98x vs 1.67-1.72x) and B = 8.
-constexpr int64_t kSeqPrefetch = 2048;
+// Software prefetch into L2 (T1), 2 KiB ahead of the furthest row of the
+// tile: distance (R - 1)·k_padded + 2048 along each row. The rows of a task
+// are contiguous, so a tile of R rows reads R lines k_padded apart; prefetching
+// each of them 2 KiB past the tile's last row keeps every prefetch ahead of
+// what the tile reads (a fixed 2 KiB lands inside the tile for R = 2 at
+// K = 2048: the row below, already being read). Into L2 rather than L1: an
+// L1 prefetch holds one of the core's few L1 miss buffers for a whole DRAM
+// round trip, so L1 prefetches throttled the stream below what the L2
+// prefetchers reach without them. vlm-bench-gemv-int8, one 2B decode step,
+// Zen 4, 2 threads, time / read-bandwidth bound: B = 1 1.33-2.15x -> 1.11-1.15x,
+// B = 2 1.72-1.76x -> 1.22x, B = 8 2.88-3.00x -> 2.37x (1.03-1.04x: 4096 / 6144 /
+// 1024 bytes past the tile, and none, were worse or level).
+// GemvInt8Options::prefetch_l1 keeps the previous prefetch (into L1, 2 KiB
+// ahead of each row) so the benchmark runs both.
+constexpr int64_t kPrefetchLead = 2048;
 
 // kPrefill: the weight tile comes from L2 (no prefetch along the row) and
 // each x vector is loaded once into a register for all R rows (GCC would
@@ -278,6 +290,8 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWe
                               int64_t r0, const Output& out) {
   constexpr int A = R * NB >= 2 ? 1 : 2;  // partial sums per (row, batch row) and part
   const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
+  const bool l1 = out.prefetch_l1;
+  const int64_t ahead = l1 ? kPrefetchLead : (R - 1) * kp + kPrefetchLead;
   const int8_t* xh = x.hi.data() + b0 * kp;
   const int8_t* xl = x.lo.data() + b0 * kp;
   const int32_t* bias = x.bias.data() + b0 * groups;
@@ -296,7 +310,11 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWe
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const uint8_t* wp = w.row(r0 + r) + s + j * 64;
-        if (!kPrefill) _mm_prefetch(reinterpret_cast<const char*>(wp + kSeqPrefetch), _MM_HINT_T0);
+        if (!kPrefill) {
+          const char* p = reinterpret_cast<const char*>(wp + ahead);
+          if (l1) _mm_prefetch(p, _MM_HINT_T0);
+          else _mm_prefetch(p, _MM_HINT_T1);
+        }
         wv[r] = _mm512_loadu_si512(wp);  // rows are 32-byte aligned only
       }
 #pragma GCC unroll 4
@@ -498,7 +516,7 @@ absl::Status GemvInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor*
     } else {
       QuantizeX(x, w.k_padded(), vnni, options.threads, &qx);
     }
-    Output out{y->data_ptr(), y->scalar_type() == at::kBFloat16, n};
+    Output out{y->data_ptr(), y->scalar_type() == at::kBFloat16, n, options.prefetch_l1};
     // Blocks of rows_per_task rows (a multiple of 32: threads never share an
     // output cache line).
     const bool prefill = batch > kDecodeBatch;

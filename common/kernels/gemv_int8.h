@@ -19,7 +19,7 @@
 // the batch size (bit for bit on each path): a prefill chunk's rows equal
 // what 1-row decode calls give.
 // Batches of up to 8 rows (decode) stream each weight row once per call with
-// software prefetch; larger ones (prefill) quantize all rows once and walk
+// software prefetch into L2; larger ones (prefill) quantize all rows once and walk
 // the weights in blocks of 64 rows that stay in L2, each block serving every
 // batch row, so the weights also come from DRAM once per call.
 // Threads: output rows split over common/kernels/thread_pool.h (prefill also
@@ -51,6 +51,10 @@ GemvInt8Path DefaultGemvInt8Path();
 struct GemvInt8Options {
   std::optional<GemvInt8Path> path;  // overrides the default; must be supported
   int threads = 0;                   // 0: DefaultThreads()
+  // Decode batches (≤ 8 rows) on avx512vnni: the previous software prefetch
+  // (into L1, 2 KiB ahead of each row) instead of into L2 past the row tile.
+  // Same results; for benchmarks that compare the two.
+  bool prefetch_l1 = false;
 };
 
 // x: [B, K] bf16 or f32, any B, unit stride along K. y: [B, N] f32 or bf16, unit stride along N; allocated as f32 when

@@ -3,7 +3,8 @@
 //
 // Decode (batches <= 8): one decode step's weight set (28 layers of q, k, v,
 // o, gate, up, down + the LM head) through GemvInt8 against the bf16
-// vlm::Gemv, next to the read-bandwidth bound measured in the same run.
+// vlm::Gemv, next to the read-bandwidth bound measured in the same run, and
+// GemvInt8 with its previous decode prefetch (GemvInt8Options::prefetch_l1).
 // Weights are distinct buffers per layer (bf16 3.4 GB, int8 1.7 GB: far
 // beyond the L3), so each call streams its weights from DRAM. Each repetition
 // measures the bandwidth, then runs one step per implementation and batch
@@ -337,17 +338,23 @@ int main(int argc, char** argv) {
     for (const Shape& s : kLayerShapes) a.y.push_back(at::empty({b, s.out}, at::kBFloat16));
     a.logits = at::empty({b, kHead.out}, at::kFloat);
   }
-  // Per-call microseconds by (int8, batch, call name), for the per-call table.
+  // Per-call microseconds by (int8, batch, call name), for the per-call table
+  // (int8 with the default prefetch only).
   std::map<std::tuple<bool, int, std::string>, std::vector<double>> calls;
-  auto step = [&](bool int8, int batch) {
+  // int8_l1: int8 with the previous decode prefetch (into L1).
+  auto step = [&](bool int8, int batch, bool int8_l1 = false) {
     Acts& a = acts[batch];
+    vlm::kernels::GemvInt8Options o8;
+    o8.prefetch_l1 = int8_l1;
     auto call = [&](const Shape& s, const at::Tensor& x, const at::Tensor& w16_,
                     const vlm::kernels::QuantizedWeight& w8_, at::Tensor* y) {
       const auto t = Clock::now();
-      if (int8) CheckOk(vlm::kernels::GemvInt8(x, w8_, y), "int8 gemv");
+      if (int8) CheckOk(vlm::kernels::GemvInt8(x, w8_, y, o8), "int8 gemv");
       else CheckOk(vlm::Gemv(x, w16_, y), "gemv");
-      calls[{int8, batch, s.name}].push_back(
-          std::chrono::duration<double, std::micro>(Clock::now() - t).count());
+      if (!int8_l1) {
+        calls[{int8, batch, s.name}].push_back(
+            std::chrono::duration<double, std::micro>(Clock::now() - t).count());
+      }
     };
     const auto start = Clock::now();
     for (int l = 0; l < layers; ++l) {
@@ -358,14 +365,15 @@ int main(int argc, char** argv) {
     call(kHead, a.xh, head16[0], head8[0], &a.logits);
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
-  for (int b : batches) step(false, b), step(true, b);  // warm-up
+  for (int b : batches) step(false, b), step(true, b), step(true, b, true);  // warm-up
   calls.clear();
-  std::map<int, std::vector<double>> t16, t8;
+  std::map<int, std::vector<double>> t16, t8, t8_l1;
   for (int r = 0; r < reps; ++r) {
     bound.Measure(threads);
     for (int b : batches) {
       t16[b].push_back(step(false, b));
       t8[b].push_back(step(true, b));
+      t8_l1[b].push_back(step(true, b, true));
     }
     std::fprintf(stderr, "rep %d/%d, load average %s\n", r + 1, reps,
                  vlm::bench::LoadAverage().c_str());
@@ -377,6 +385,7 @@ int main(int argc, char** argv) {
   for (int b : batches) {
     rows.push_back({"bf16 (vlm::Gemv)", threads, b, bytes16, t16[b]});
     rows.push_back({"int8 (GemvInt8)", threads, b, bytes8, t8[b]});
+    rows.push_back({"int8, L1 prefetch (before)", threads, b, bytes8, t8_l1[b]});
   }
   vlm::bench::PrintStepTable(rows, bound, "bf16 (vlm::Gemv)");
   std::printf("\nPer call: median us (bf16 / int8) over %d layers x %d reps; time / bound for int8\n",

@@ -209,6 +209,25 @@ TEST_P(GemvInt8PathTest, EachBatchRowIsIndependentOfTheBatch) {
   }
 }
 
+// The previous decode prefetch (into L1, GemvInt8Options::prefetch_l1) moves
+// the same data and gives the same results bit for bit, batches 1..8.
+TEST_P(GemvInt8PathTest, L1PrefetchGivesTheSameResults) {
+  for (int64_t k : {700, 2048}) {
+    const at::Tensor w = at::randn({200, k}) * 0.05;
+    absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+    ASSERT_TRUE(q.ok());
+    for (int64_t b = 1; b <= 8; ++b) {
+      const at::Tensor x = HiddenWithOutliers(b, k).to(at::kBFloat16);
+      at::Tensor y, y_l1;
+      ASSERT_TRUE(GemvInt8(x, *q, &y, options_).ok());
+      GemvInt8Options l1 = options_;
+      l1.prefetch_l1 = true;
+      ASSERT_TRUE(GemvInt8(x, *q, &y_l1, l1).ok());
+      EXPECT_TRUE(at::equal(y, y_l1)) << "K=" << k << " B=" << b;
+    }
+  }
+}
+
 // Prefill-sized batches (more than 8 rows: the weights are read once per call
 // and every row block serves all batch rows) give each row bit for bit what
 // a 1-row decode call gives, for every batch size 1..70 and 512, at batch
