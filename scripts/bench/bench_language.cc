@@ -15,6 +15,12 @@
 //
 // Old path vs new in one run (the decoder's kernels, issue 11):
 //   vlm-bench-language --configs "--matmul=torch;--matmul=kernels;--weight_dtype=int8"
+// Decode also runs in paired rounds (--paired_decode_rounds, default 5):
+// every configuration's server stays up, and each round decodes once on each,
+// back to back, so the ratio to the first bf16 configuration is taken seconds
+// apart rather than minutes (the host's bandwidth drifts in between); the
+// servers' memory adds up while they are all up (about 6 GiB for bf16, 4.3
+// for int8, on the 2B).
 // Each configuration's bound uses the bytes its decode step reads (for
 // --weight_dtype=int8: int8 rows, row scales and group ratios of the
 // projections and the LM head). --cliff "200:260:4" adds prefill time
@@ -75,6 +81,9 @@ ABSL_FLAG(int, starts, 3, "process starts per configuration for start->SERVING a
 ABSL_FLAG(int, prefill_tokens, 512, "prompt length of the prefill measurement");
 ABSL_FLAG(int, decode_tokens, 64, "generated tokens of the decode measurement");
 ABSL_FLAG(int64_t, bandwidth_mib, 1024, "buffer of the read-bandwidth measurement");
+ABSL_FLAG(int, paired_decode_rounds, 5,
+          "rounds of decode alternating between every configuration's server, all kept up "
+          "(0: off, and each server stops after its own measurements)");
 ABSL_FLAG(std::string, cliff, "",
           "first:last:step prompt lengths for the prefill time-per-token scan (empty: off)");
 
@@ -333,14 +342,18 @@ struct Column {
   std::string name;
   uint64_t bytes = 0;    // weight bytes one decode step reads
   double decode_ms = 0;  // per token
+  double paired_ms = 0;  // per token, median of the paired decode rounds
+  std::vector<double> paired_ratios;  // per round: reference ms / this ms
   std::vector<std::pair<std::string, std::string>> rows;
   void Add(const std::string& what, const std::string& value) { rows.emplace_back(what, value); }
 };
 
 // Runs one configuration; `bandwidth` is raised to the best read bandwidth
-// measured while its server is up (after the decode runs).
+// measured while its server is up (after the decode runs). With `keep`, the
+// server is handed over there (for the paired decode rounds).
 Column Measure(const std::string& binary, const std::string& dir, const std::string& extra,
-               const vlm::ModelConfig& config, double* bandwidth) {
+               const vlm::ModelConfig& config, double* bandwidth,
+               std::unique_ptr<Server>* keep = nullptr) {
   Column col;
   col.name = extra.empty() ? "default (lazy)" : extra;
   std::vector<std::string> flags = {
@@ -456,7 +469,49 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
     col.Add("  max neighbour ratio (at length)", absl::StrFormat("%.2f (%d)", worst, at));
   }
   *bandwidth = std::max(*bandwidth, ReadBandwidth(absl::GetFlag(FLAGS_threads)));
+  if (keep != nullptr) *keep = std::move(server);
   return col;
+}
+
+GenerateRequest DecodeRequest() {
+  return Request("Write a long story about a lighthouse.",
+                 std::max(2, absl::GetFlag(FLAGS_decode_tokens)));
+}
+
+// Paired decode: the host's read bandwidth moves by tens of percent within
+// minutes, so decode rates measured a configuration at a time (minutes
+// apart) compare badly. Each round runs one decode request on every
+// configuration's server back to back (seconds apart) and measures the
+// bandwidth; the ratio to the first bf16 configuration is taken within each
+// round, and the rows print medians over the rounds.
+void PairedDecode(const std::vector<std::unique_ptr<Server>>& servers,
+                  std::vector<Column>* columns, const Column* reference, double* bandwidth) {
+  const int rounds = absl::GetFlag(FLAGS_paired_decode_rounds);
+  std::vector<std::vector<double>> ms(servers.size());
+  std::vector<std::unique_ptr<vlm::v1::Language::Stub>> stubs;
+  for (const auto& s : servers) stubs.push_back(s != nullptr ? s->Stub() : nullptr);
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t c = 0; c < servers.size(); ++c) {
+      if (stubs[c] == nullptr) continue;
+      Outcome o = Run(*stubs[c], DecodeRequest());
+      ms[c].push_back(o.ok && o.tokens >= 2 ? o.last.timings().decode_ms() / (o.tokens - 1) : 0);
+    }
+    *bandwidth = std::max(*bandwidth, ReadBandwidth(absl::GetFlag(FLAGS_threads)));
+  }
+  const size_t ref = reference != nullptr ? reference - columns->data() : servers.size();
+  for (size_t c = 0; c < servers.size(); ++c) {
+    Column& col = (*columns)[c];
+    std::vector<double> ok, ratios;
+    for (int r = 0; r < rounds && c < ms.size(); ++r) {
+      if (ms[c].size() <= static_cast<size_t>(r) || ms[c][r] <= 0) continue;
+      ok.push_back(ms[c][r]);
+      if (ref < ms.size() && ms[ref].size() > static_cast<size_t>(r) && ms[ref][r] > 0) {
+        ratios.push_back(ms[ref][r] / ms[c][r]);
+      }
+    }
+    col.paired_ms = Median(ok);
+    col.paired_ratios = ratios;
+  }
 }
 
 }  // namespace
@@ -488,8 +543,12 @@ int main(int argc, char** argv) {
   double bandwidth = ReadBandwidth(absl::GetFlag(FLAGS_threads));
 
   std::vector<Column> columns;
+  std::vector<std::unique_ptr<Server>> servers;
+  const bool paired = absl::GetFlag(FLAGS_paired_decode_rounds) > 0;
   for (absl::string_view extra : absl::StrSplit(absl::GetFlag(FLAGS_configs), ';')) {
-    columns.push_back(Measure(binary, dir, std::string(extra), *config, &bandwidth));
+    servers.emplace_back();
+    columns.push_back(Measure(binary, dir, std::string(extra), *config, &bandwidth,
+                              paired ? &servers.back() : nullptr));
     // The service's int8 form quantizes the LM head too (DecoderOptions::int8_lm_head).
     const bool int8 = absl::StrContains(extra, "--weight_dtype=int8");
     columns.back().bytes = DecodeWeightBytes(dir, int8, int8);
@@ -499,6 +558,8 @@ int main(int argc, char** argv) {
   for (const Column& c : columns) {
     if (c.bytes == bytes && c.decode_ms > 0 && first_bf16 == nullptr) first_bf16 = &c;
   }
+  if (paired) PairedDecode(servers, &columns, first_bf16, &bandwidth);
+  servers.clear();
   for (Column& c : columns) {
     if (c.decode_ms <= 0) continue;
     const double bound_ms = static_cast<double>(c.bytes) / bandwidth * 1000;
@@ -508,6 +569,23 @@ int main(int argc, char** argv) {
     if (first_bf16 != nullptr) {
       c.Add(absl::StrCat("decode speed vs ", first_bf16->name),
             absl::StrFormat("%.2fx", first_bf16->decode_ms / c.decode_ms));
+    }
+    if (paired) {
+      const int rounds = absl::GetFlag(FLAGS_paired_decode_rounds);
+      c.Add(absl::StrCat("paired decode ms/token (median of ", rounds, " rounds)"),
+            absl::StrFormat("%.1f", c.paired_ms));
+      c.Add("paired decode / bound",
+            c.paired_ms > 0 ? absl::StrFormat("%.2fx", c.paired_ms / bound_ms) : "-");
+      if (first_bf16 != nullptr) {
+        std::string each;
+        for (double r : c.paired_ratios) {
+          absl::StrAppend(&each, each.empty() ? "" : " ", absl::StrFormat("%.2f", r));
+        }
+        c.Add(absl::StrCat("paired decode speed vs ", first_bf16->name, ": median (each round)"),
+              c.paired_ratios.empty()
+                  ? "-"
+                  : absl::StrFormat("%.2fx (%s)", Median(c.paired_ratios), each));
+      }
     }
   }
 
