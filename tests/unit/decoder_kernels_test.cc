@@ -388,6 +388,14 @@ TEST(DecoderKernelsTest, Int8LogitsCosineToBf16IsAtLeast0999AtEveryPosition) {
 // 3% of the logits' norm (cosine min 0.9990, mean 0.9995 here), about 0.25 per
 // logit at this checkpoint's logit scale (std 8), so a margin of 1 is only
 // ~3 standard deviations of the difference of two logits' errors.
+// The error is the quantization's, not the kernels': the same int8 math
+// simulated in torch (scripts/bench/int8_fidelity.py's weight and activation
+// rounding, on 24 random + 24 greedy tokens of this checkpoint) gives cosine
+// min 0.99931 / 0.99968 / 0.99791 for three seeds, the C++ path 0.99906 here.
+// Neither fused f32 epilogues (residual add, SiLU-up) for the int8 path nor
+// MSE-chosen group scales (which lowered the cosine) move this position. On
+// the synthetic 2B checkpoint (vlm-bench-decoder --fidelity) every position
+// with a bf16 margin above 1 agrees (30 of 30, cosine min 0.99932).
 TEST(DecoderKernelsTest, DISABLED_Int8GreedyEqualsBf16WhereTheBf16MarginIsAboveOne) {
   std::string why;
   if (!HaveKernels(&why) || !HaveInt8(&why)) GTEST_SKIP() << why;
