@@ -239,8 +239,19 @@ TEST(FaultInjectionTest, LanguageKilledMidStreamEndsEveryStreamUnavailableAndRec
       [&] { return Metric(*stack.gateway_, "vlm_gateway_admission_running") == 0; },
       absl::Seconds(5)));
 
-  stack.language_ = stack.StartLanguage(language_port);
-  ASSERT_TRUE(stack.language_->WaitListening()) << stack.language_->LogTail();
+  // The language comes back at the same address. Its port came from the
+  // kernel's ephemeral range, so while it was free another socket on the host
+  // may have taken it as its local port (an outgoing connection of a test
+  // running beside this one): the bind then fails with "address in use"
+  // until that socket closes, so the restart retries the bind for a while.
+  for (int attempt = 1;; ++attempt) {
+    stack.language_ = stack.StartLanguage(language_port);
+    if (stack.language_->WaitListening()) break;
+    const std::string tail = stack.language_->LogTail();
+    ASSERT_TRUE(absl::StrContains(tail, "cannot listen")) << tail;
+    ASSERT_LT(attempt, 40) << tail;
+    absl::SleepFor(absl::Milliseconds(250));
+  }
   ASSERT_TRUE(stack.GatewayServing(absl::Seconds(30))) << stack.Logs();
   const Outcome again = stack.Chat(Request("Hello again"), absl::Seconds(30));
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
