@@ -275,8 +275,8 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
 // round trip, so L1 prefetches throttled the stream below what the L2
 // prefetchers reach without them. vlm-bench-gemv-int8, one 2B decode step,
 // Zen 4, 2 threads, time / read-bandwidth bound: B = 1 1.33-2.15x -> 1.11-1.15x,
-// B = 2 1.72-1.76x -> 1.22x, B = 8 2.88-3.00x -> 2.37x (1.03-1.04x: 4096 / 6144 /
-// 1024 bytes past the tile, and none, were worse or level).
+// B = 2 1.72-1.76x -> 1.22x, B = 8 2.88-3.00x -> 2.37x. Leads of 512 B to
+// 16 KiB, T2 instead of T1, and no prefetch at all measured level or worse.
 // GemvInt8Options::prefetch_l1 keeps the previous prefetch (into L1, 2 KiB
 // ahead of each row) so the benchmark runs both.
 constexpr int64_t kPrefetchLead = 2048;

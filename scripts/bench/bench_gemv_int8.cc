@@ -258,15 +258,6 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
   }
 }
 
-// Bytes one GemvInt8 call reads for a shape, as QuantizedWeight::bytes()
-// counts them: rows padded to groups of 32, an f32 scale per row and an f16
-// ratio per group.
-int64_t Int8Bytes(const Shape& s) {
-  const int64_t kp = (s.in + vlm::kernels::kInt8Group - 1) / vlm::kernels::kInt8Group *
-                     vlm::kernels::kInt8Group;
-  return s.out * (kp + 4 + 2 * (kp / vlm::kernels::kInt8Group));
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -402,17 +393,18 @@ int main(int argc, char** argv) {
   std::printf("| B | call | bf16 us | int8 us | int8 speed vs bf16 | int8 time / bound |\n");
   std::printf("|---|---|---|---|---|---|\n");
   for (int b : batches) {
-    for (const Shape& s : kLayerShapes) {
+    for (int i = 0; i < 7; ++i) {
+      const Shape& s = kLayerShapes[i];
       const double u16 = vlm::bench::Median(calls[{false, b, s.name}]);
       const double u8 = vlm::bench::Median(calls[{true, b, s.name}]);
-      const int64_t bytes = Int8Bytes(s);
+      const auto bytes = static_cast<int64_t>(w8[0][i].bytes());  // every layer's are the same
       std::printf("| %d | %s | %.1f | %.1f | %.2fx | %.2fx |\n", b, s.name, u16, u8, u16 / u8,
                   u8 * 1e-6 / bound.Seconds(bytes));
     }
     const double u16 = vlm::bench::Median(calls[{false, b, kHead.name}]);
     const double u8 = vlm::bench::Median(calls[{true, b, kHead.name}]);
     std::printf("| %d | %s | %.1f | %.1f | %.2fx | %.2fx |\n", b, kHead.name, u16, u8, u16 / u8,
-                u8 * 1e-6 / bound.Seconds(Int8Bytes(kHead)));
+                u8 * 1e-6 / bound.Seconds(static_cast<int64_t>(head8[0].bytes())));
   }
   w16.clear(), w8.clear(), head16.clear(), head8.clear(), acts.clear();
   if (!prefill_batches.empty()) RunPrefill(prefill_batches, prefill_reps, threads, only_int8);

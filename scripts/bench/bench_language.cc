@@ -342,8 +342,8 @@ struct Column {
   std::string name;
   uint64_t bytes = 0;    // weight bytes one decode step reads
   double decode_ms = 0;  // per token
-  double paired_ms = 0;  // per token, median of the paired decode rounds
-  std::vector<double> paired_ratios;  // per round: reference ms / this ms
+  std::vector<double> paired_ms_each;  // ms per token in each paired round that succeeded
+  std::vector<double> paired_ratios;   // per round: reference ms / this ms
   std::vector<std::pair<std::string, std::string>> rows;
   void Add(const std::string& what, const std::string& value) { rows.emplace_back(what, value); }
 };
@@ -492,25 +492,25 @@ void PairedDecode(const std::vector<std::unique_ptr<Server>>& servers,
   for (const auto& s : servers) stubs.push_back(s != nullptr ? s->Stub() : nullptr);
   for (int r = 0; r < rounds; ++r) {
     for (size_t c = 0; c < servers.size(); ++c) {
-      if (stubs[c] == nullptr) continue;
+      if (stubs[c] == nullptr) {
+        ms[c].push_back(0);
+        continue;
+      }
       Outcome o = Run(*stubs[c], DecodeRequest());
       ms[c].push_back(o.ok && o.tokens >= 2 ? o.last.timings().decode_ms() / (o.tokens - 1) : 0);
     }
     *bandwidth = std::max(*bandwidth, ReadBandwidth(absl::GetFlag(FLAGS_threads)));
   }
-  const size_t ref = reference != nullptr ? reference - columns->data() : servers.size();
+  // 0 marks a failed request (and every round of a server that is not up).
+  const std::vector<double>* ref =
+      reference != nullptr ? &ms[reference - columns->data()] : nullptr;
   for (size_t c = 0; c < servers.size(); ++c) {
     Column& col = (*columns)[c];
-    std::vector<double> ok, ratios;
-    for (int r = 0; r < rounds && c < ms.size(); ++r) {
-      if (ms[c].size() <= static_cast<size_t>(r) || ms[c][r] <= 0) continue;
-      ok.push_back(ms[c][r]);
-      if (ref < ms.size() && ms[ref].size() > static_cast<size_t>(r) && ms[ref][r] > 0) {
-        ratios.push_back(ms[ref][r] / ms[c][r]);
-      }
+    for (size_t r = 0; r < ms[c].size(); ++r) {
+      if (ms[c][r] <= 0) continue;
+      col.paired_ms_each.push_back(ms[c][r]);
+      if (ref != nullptr && (*ref)[r] > 0) col.paired_ratios.push_back((*ref)[r] / ms[c][r]);
     }
-    col.paired_ms = Median(ok);
-    col.paired_ratios = ratios;
   }
 }
 
@@ -572,10 +572,11 @@ int main(int argc, char** argv) {
     }
     if (paired) {
       const int rounds = absl::GetFlag(FLAGS_paired_decode_rounds);
+      const double paired_ms = Median(c.paired_ms_each);
       c.Add(absl::StrCat("paired decode ms/token (median of ", rounds, " rounds)"),
-            absl::StrFormat("%.1f", c.paired_ms));
+            absl::StrFormat("%.1f", paired_ms));
       c.Add("paired decode / bound",
-            c.paired_ms > 0 ? absl::StrFormat("%.2fx", c.paired_ms / bound_ms) : "-");
+            paired_ms > 0 ? absl::StrFormat("%.2fx", paired_ms / bound_ms) : "-");
       if (first_bf16 != nullptr) {
         std::string each;
         for (double r : c.paired_ratios) {
