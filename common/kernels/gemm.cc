@@ -332,26 +332,23 @@ absl::Status RunTorch(const at::Tensor& x, const PackedWeight::Impl& w, const at
   return absl::OkStatus();
 }
 
-absl::Status GemmImpl(const at::Tensor& x, const PackedWeight& pw, at::Tensor* y,
-                      const GemmOptions& o) {
-  if (pw.empty()) return absl::InvalidArgumentError("gemm: weight is empty (not packed)");
-  const PackedWeight::Impl& w = pw.impl();
+}  // namespace
+
+namespace internal {
+
+absl::Status CheckOperands(const at::Tensor& x, int64_t k, int64_t n, at::Tensor* y,
+                           const GemmOptions& o) {
   if (!x.defined() || x.device().type() != at::kCPU || x.dim() != 2 ||
       (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "gemm: x must be a 2-D bf16 or f32 CPU tensor [M, K]; got ",
         x.defined() ? x.toString() + " " + std::to_string(x.dim()) + "-D" : std::string("undefined")));
   }
-  if (x.size(1) != w.k) {
+  if (x.size(1) != k) {
     return absl::InvalidArgumentError(
-        absl::StrCat("gemm: x has K = ", x.size(1), " but the weight has K = ", w.k));
+        absl::StrCat("gemm: x has K = ", x.size(1), " but the weight has K = ", k));
   }
-  if (w.gate_up != (o.activation == Activation::kSiluMul)) {
-    return absl::InvalidArgumentError(
-        w.gate_up ? "gemm: a gate/up weight needs Activation::kSiluMul"
-                  : "gemm: Activation::kSiluMul needs a weight from PackGateUp");
-  }
-  const int64_t m = x.size(0), n = w.n;
+  const int64_t m = x.size(0);
   if (y == nullptr) return absl::InvalidArgumentError("gemm: output pointer is null");
   if (!y->defined()) {
     if (o.out_dtype != at::kBFloat16 && o.out_dtype != at::kFloat) {
@@ -375,7 +372,102 @@ absl::Status GemmImpl(const at::Tensor& x, const PackedWeight& pw, at::Tensor* y
           "gemm: residual must be a bf16 or f32 [", m, ", ", n, "] tensor with unit column stride"));
     }
   }
-  if (m == 0) return absl::OkStatus();
+  return absl::OkStatus();
+}
+
+at::Tensor FillProblem(const at::Tensor& x, const at::Tensor& y, const GemmOptions& o,
+                       Problem* p) {
+  const int64_t m = x.size(0), n = y.size(1);
+  // x as contiguous-along-K bf16 rows.
+  at::Tensor xb = x;
+  if (xb.scalar_type() != at::kBFloat16) xb = xb.to(at::kBFloat16);
+  if (xb.stride(1) != 1 || (m > 1 && xb.stride(0) < x.size(1))) xb = xb.contiguous();
+  p->x = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  p->ld_x = m > 1 ? xb.stride(0) : x.size(1);
+  Epilogue& e = p->epilogue;
+  e.activation = o.activation;
+  if (o.residual.defined()) {
+    e.residual = o.residual.data_ptr();
+    e.residual_bf16 = o.residual.scalar_type() == at::kBFloat16;
+    e.ld_residual = m > 1 ? o.residual.stride(0) : n;
+  }
+  e.y = y.data_ptr();
+  e.y_bf16 = y.scalar_type() == at::kBFloat16;
+  e.ld_y = m > 1 ? y.stride(0) : n;
+  e.n = n;
+  return xb;
+}
+
+void RunBlocked(const Problem& p, int64_t m, GemmPath path, const GemmOptions& o,
+                const PanelSource* source) {
+  const int64_t count = p.w.count;
+  const int64_t chunk = o.panels_per_chunk > 0 ? o.panels_per_chunk
+                       : m <= kFewRows       ? kFewRowsPanelsPerChunk
+                                             : kPanelsPerChunk;
+  const int64_t chunks = (count + chunk - 1) / chunk;
+  const int64_t rows_per_task = RowsPerTask(path, m);
+  const int64_t row_blocks = (m + rows_per_task - 1) / rows_per_task;
+  auto block = path == GemmPath::kAmx ? AmxBlock : Avx512Bf16Block;
+  if (source == nullptr) {
+    // Task t: row block t / chunks, panel chunk t % chunks. A thread's
+    // contiguous share is whole row blocks (its rows of x stay in its L2
+    // while the panels stream past), as splitting the rows across threads
+    // measured faster than splitting the panels (vlm-bench-gemm, 2 threads);
+    // with one row block the chunks are split.
+    ParallelFor(chunks * row_blocks, o.threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / chunks, c = t % chunks;
+        block(p, b * rows_per_task, std::min(m, (b + 1) * rows_per_task), c * chunk,
+              std::min(count, (c + 1) * chunk));
+      }
+    });
+    return;
+  }
+  // Made panels: task c makes chunk c once and runs every row block on it
+  // (made per row block instead, the conversion cost grows with M).
+  ParallelFor(chunks, o.threads, 1, [&](int64_t c0, int64_t c1) {
+    thread_local std::vector<uint16_t> panels_buf;
+    const int64_t panel_elems = p.w.kpairs * 2 * kPanelCols;
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t j0 = c * chunk, j1 = std::min(count, (c + 1) * chunk);
+      panels_buf.resize(static_cast<size_t>((j1 - j0) * panel_elems + 32));
+      uint16_t* panels = reinterpret_cast<uint16_t*>(
+          (reinterpret_cast<uintptr_t>(panels_buf.data()) + 63) & ~uintptr_t{63});
+      source->Fill(j0, j1, panels);
+      // The problem seen from the chunk's first output column.
+      Problem local = p;
+      local.w.data = panels;
+      local.w.count = j1 - j0;
+      Epilogue& e = local.epilogue;
+      const int64_t col0 = j0 * (e.gate_up ? 16 : kPanelCols);
+      e.y = static_cast<char*>(e.y) + col0 * (e.y_bf16 ? 2 : 4);
+      if (e.residual != nullptr) {
+        e.residual = static_cast<const char*>(e.residual) + col0 * (e.residual_bf16 ? 2 : 4);
+      }
+      if (e.bias != nullptr) e.bias += col0;
+      e.n -= col0;
+      for (int64_t b = 0; b < row_blocks; ++b) {
+        block(local, b * rows_per_task, std::min(m, (b + 1) * rows_per_task), 0, j1 - j0);
+      }
+    }
+  });
+}
+
+}  // namespace internal
+
+namespace {
+
+absl::Status GemmImpl(const at::Tensor& x, const PackedWeight& pw, at::Tensor* y,
+                      const GemmOptions& o) {
+  if (pw.empty()) return absl::InvalidArgumentError("gemm: weight is empty (not packed)");
+  const PackedWeight::Impl& w = pw.impl();
+  if (w.gate_up != (o.activation == Activation::kSiluMul)) {
+    return absl::InvalidArgumentError(
+        w.gate_up ? "gemm: a gate/up weight needs Activation::kSiluMul"
+                  : "gemm: Activation::kSiluMul needs a weight from PackGateUp");
+  }
+  if (absl::Status s = internal::CheckOperands(x, w.k, w.n, y, o); !s.ok()) return s;
+  if (x.size(0) == 0) return absl::OkStatus();
 
   GemmPath path = w.path;
   if (o.path.has_value() && *o.path != path) {
@@ -393,47 +485,12 @@ absl::Status GemmImpl(const at::Tensor& x, const PackedWeight& pw, at::Tensor* y
   }
   if (!IsBlocked(path)) return RunTorch(x, w, *y, o);
 
-  // x as contiguous-along-K bf16 rows.
-  at::Tensor xb = x;
-  if (xb.scalar_type() != at::kBFloat16) xb = xb.to(at::kBFloat16);
-  if (xb.stride(1) != 1 || (m > 1 && xb.stride(0) < w.k)) xb = xb.contiguous();
   internal::Problem p;
-  p.x = reinterpret_cast<const uint16_t*>(xb.data_ptr());
-  p.ld_x = m > 1 ? xb.stride(0) : w.k;
+  const at::Tensor xb = internal::FillProblem(x, *y, o, &p);
   p.w = w.view();
-  internal::Epilogue& e = p.epilogue;
-  e.bias = w.bias.empty() ? nullptr : w.bias.data();
-  e.activation = o.activation;
-  if (o.residual.defined()) {
-    e.residual = o.residual.data_ptr();
-    e.residual_bf16 = o.residual.scalar_type() == at::kBFloat16;
-    e.ld_residual = m > 1 ? o.residual.stride(0) : n;
-  }
-  e.y = y->data_ptr();
-  e.y_bf16 = y->scalar_type() == at::kBFloat16;
-  e.ld_y = m > 1 ? y->stride(0) : n;
-  e.n = n;
-  e.gate_up = w.gate_up;
-
-  const int64_t chunk = o.panels_per_chunk > 0 ? o.panels_per_chunk
-                       : m <= kFewRows       ? kFewRowsPanelsPerChunk
-                                             : kPanelsPerChunk;
-  const int64_t chunks = (w.count + chunk - 1) / chunk;
-  const int64_t rows_per_task = RowsPerTask(path, m);
-  const int64_t row_blocks = (m + rows_per_task - 1) / rows_per_task;
-  auto block = path == GemmPath::kAmx ? internal::AmxBlock : internal::Avx512Bf16Block;
-  // Task t: row block t / chunks, panel chunk t % chunks. A thread's
-  // contiguous share is whole row blocks (its rows of x stay in its L2 while
-  // the panels stream past), as splitting the rows across threads measured
-  // faster than splitting the panels (vlm-bench-gemm, 2 threads); with one
-  // row block the chunks are split.
-  ParallelFor(chunks * row_blocks, o.threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / chunks, c = t % chunks;
-      block(p, b * rows_per_task, std::min(m, (b + 1) * rows_per_task), c * chunk,
-            std::min(w.count, (c + 1) * chunk));
-    }
-  });
+  p.epilogue.bias = w.bias.empty() ? nullptr : w.bias.data();
+  p.epilogue.gate_up = w.gate_up;
+  internal::RunBlocked(p, x.size(0), path, o);
   return absl::OkStatus();
 }
 

@@ -126,4 +126,25 @@ absl::Status Gemm(const at::Tensor& x, const PackedWeight& w, at::Tensor* y,
 absl::StatusOr<at::Tensor> Gemm(const at::Tensor& x, const PackedWeight& w,
                                 const GemmOptions& options = {});
 
+class QuantizedWeight;  // quantize.h
+
+// The same product over int8 weights (quantize.h), for prefill rows: the
+// weight is ŵ = bf16(scale·q), made panel by panel as the tasks need it
+// (each task converts its chunk of panels into a buffer of its thread; the
+// int8 weight stays the only copy in memory) and multiplied by the blocked
+// path's micro-kernel. The result is bit-identical to Gemm on
+// PackedWeight::Pack(DequantizeInt8(w)) (and PackGateUp of its two halves
+// for kSiluMul). Why: prefill is bound by multiply throughput, not bytes, and
+// the bf16 micro-kernel does 32 multiply-adds per instruction where int8
+// weights with int16 activations (GemvInt8) need two VPDPBUSD per 64 weights
+// and a scale epilogue per group: the same count, at a lower measured share
+// of the peak. Conversion costs about 0.5 instructions per weight per row
+// block, small next to M·K·N/16 multiply instructions from a dozen rows on.
+//   kSiluMul: w holds the gate rows [0, I) then the up rows [I, 2I), y is
+//   [M, I]. No bias. options.path (default: DefaultGemmPath()) must be a
+//   blocked path (amx or avx512bf16) and supported: FAILED_PRECONDITION
+//   otherwise (callers fall back to GemvInt8).
+absl::Status GemmInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor* y,
+                      const GemmOptions& options = {});
+
 }  // namespace vlm::kernels

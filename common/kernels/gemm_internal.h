@@ -11,6 +11,10 @@
 
 #include <cstdint>
 
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+
 #include "common/kernels/gemm.h"
 
 namespace vlm::kernels::internal {
@@ -67,5 +71,31 @@ void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
 // and up interleaved by 16). `out` has count·kpairs·64 uint16 slots.
 void PackPanels(const uint16_t* w, int64_t ld, const uint16_t* up, int64_t ld_up, int64_t n,
                 int64_t k, bool gate_up, uint16_t* out, int64_t kpairs, int64_t count);
+
+// Panels made on demand rather than stored (int8 weights): Fill writes panels
+// [j0, j1) of the problem's layout (kpairs per panel, as Panels) to `out`,
+// (j1 - j0) panels back to back. Called concurrently from the pool's threads.
+class PanelSource {
+ public:
+  virtual ~PanelSource() = default;
+  virtual void Fill(int64_t j0, int64_t j1, uint16_t* out) const = 0;
+};
+
+// Checks x [M, K], y [M, N] (allocated when undefined) and o.residual for a
+// product with a [N, K] weight; INVALID_ARGUMENT names the mismatch.
+absl::Status CheckOperands(const at::Tensor& x, int64_t k, int64_t n, at::Tensor* y,
+                           const GemmOptions& o);
+// Fills p's x (bf16 rows, unit stride along K) and its epilogue from checked
+// operands, all but bias and gate_up. Returns the tensor p.x points into
+// (x itself or a bf16 copy), which must outlive the run.
+at::Tensor FillProblem(const at::Tensor& x, const at::Tensor& y, const GemmOptions& o,
+                       Problem* p);
+// Gemm's work split over the pool: tasks of (row block, chunk of panels) of
+// the m rows and p.w.count panels, each through path's block kernel (amx or
+// avx512bf16). With a source, p.w.data is not read: each task first fills its
+// chunk's panels into a buffer of its thread and runs on them, so the
+// result is the same as with those panels stored.
+void RunBlocked(const Problem& p, int64_t m, GemmPath path, const GemmOptions& o,
+                const PanelSource* source = nullptr);
 
 }  // namespace vlm::kernels::internal

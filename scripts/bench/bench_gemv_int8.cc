@@ -14,9 +14,11 @@
 //
 // Prefill (batches >= 8): GFLOP/s per layer shape (one layer's weights, 75 MB
 // int8 / 100 MB bf16 for the seven, so consecutive calls evict each other
-// from a 32 MiB L3) for the bf16 kernels::Gemm on packed weights, GemvInt8
-// with all M rows in one call, and GemvInt8 in calls of 8 rows (how the
-// decoder prefilled before: the weights streamed once per 8 rows), next to
+// from a 32 MiB L3) for the bf16 kernels::Gemm on packed weights,
+// kernels::GemmInt8 (the int8 weights converted to bf16 panels per task and
+// multiplied by the same micro-kernel: how the decoder prefills int8 layers),
+// GemvInt8 with all M rows in one call (how it prefilled them before), and
+// GemvInt8 in calls of 8 rows (the weights streamed once per 8 rows), next to
 // the compute bounds measured in the same repetition by register-only loops:
 // VPDPBUSD (two per 64 weights per row: 32 weight MACs per instruction) and
 // VDPBF16PS (32 MACs per instruction). Implementations interleave per shape.
@@ -26,8 +28,8 @@
 // between repetitions, the CPU-time columns by a few.
 //
 // Usage: vlm-bench-gemv-int8 [--layers 28] [--reps 5] [--threads 2] [--batches 1,2,4,8]
-//        [--prefill_reps 5] [--prefill_only_int8 1 (prefill table: int8 in one call only,
-//        for quick tuning runs)]
+//        [--prefill_reps 5] [--prefill_only_int8 1 (prefill table: GemmInt8 and GemvInt8
+//        in one call only, for quick tuning runs)]
 //   e.g. --batches 1,8,64,512: decode steps at 1 and 8, prefill table at 8, 64, 512.
 #include <time.h>
 
@@ -134,10 +136,12 @@ std::string Ratio(double num, double den) {
 
 // g: GFLOP/s by implementation, in the order of RunPrefill's enum.
 void PrintPrefillRow(int m, const char* shape, const double* g, double p8, double p16, double p8c) {
-  const double bf16 = g[0], int8 = g[1], by8 = g[2], bf16_1 = g[3], int8_1 = g[4];
-  std::printf("| %d | %s | %.0f | %.0f | %.0f | %.0f%% | %.0f%% | %s | %s | %.0f | %.0f | %.0f%% | %s |\n",
-              m, shape, bf16, int8, by8, 100 * int8 / p8, p16 > 0 ? 100 * bf16 / p16 : 0.0,
-              Ratio(bf16, int8).c_str(), Ratio(int8, by8).c_str(), bf16_1, int8_1,
+  const double bf16 = g[0], int8 = g[1], by8 = g[2], bf16_1 = g[3], int8_1 = g[4], gemm8 = g[5];
+  std::printf("| %d | %s | %.0f | %.0f | %.0f | %.0f | %.0f%% | %.0f%% | %.0f%% | %s | %s | %s | "
+              "%.0f | %.0f | %.0f%% | %s |\n",
+              m, shape, bf16, gemm8, int8, by8, p16 > 0 ? 100 * gemm8 / p16 : 0.0,
+              100 * int8 / p8, p16 > 0 ? 100 * bf16 / p16 : 0.0, Ratio(gemm8, int8).c_str(),
+              Ratio(bf16, gemm8).c_str(), Ratio(int8, by8).c_str(), bf16_1, int8_1,
               100 * int8_1 / p8c, Ratio(bf16_1, int8_1).c_str());
 }
 
@@ -164,7 +168,7 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
   // k*Cpu1: on one thread (the kernels then run inline on the caller), timed
   // by the thread's CPU clock, which time stolen by other processes on a
   // shared machine does not inflate.
-  enum { kBf16, kInt8, kInt8By8, kBf16Cpu1, kInt8Cpu1, kImpls };
+  enum { kBf16, kInt8, kInt8By8, kBf16Cpu1, kInt8Cpu1, kGemmInt8, kImpls };
   std::map<std::pair<int, int>, std::vector<double>> t[kImpls];
   std::vector<double> peak8, peak16, peak8_cpu1;
   auto run = [&](int impl, const at::Tensor& x, int i, at::Tensor* y) {
@@ -174,6 +178,8 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
       CheckOk(vlm::kernels::Gemm(x, w16[i], y), "gemm");
     } else if (impl == kInt8) {
       CheckOk(vlm::kernels::GemvInt8(x, w8[i], y), "int8 gemv");
+    } else if (impl == kGemmInt8) {
+      CheckOk(vlm::kernels::GemmInt8(x, w8[i], y), "int8 gemm");
     } else if (impl == kBf16Cpu1) {
       vlm::kernels::GemmOptions o;
       o.threads = 1;
@@ -211,8 +217,8 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
         at::Tensor y = at::empty({b, kLayerShapes[i].out}, at::kBFloat16);
         for (int impl = 0; impl < kImpls; ++impl) {
           if (impl == kBf16 && !have_bf16) continue;
-          if ((impl == kBf16 || impl == kBf16Cpu1) && !have_bf16) continue;
-          if (only_int8 && impl != kInt8 && impl != kInt8Cpu1) continue;
+          if ((impl == kBf16 || impl == kBf16Cpu1 || impl == kGemmInt8) && !have_bf16) continue;
+          if (only_int8 && impl != kInt8 && impl != kInt8Cpu1 && impl != kGemmInt8) continue;
           const double sec = run(impl, x, i, &y);
           if (r >= 0) t[impl][{b, i}].push_back(sec);
         }
@@ -229,14 +235,18 @@ void RunPrefill(const std::vector<int>& batches, int reps, int threads, bool onl
   std::printf("peaks (register-only loops, median over reps): VPDPBUSD %.0f GFLOP/s "
               "(int8 weights x int16 activations), VDPBF16PS %.0f GFLOP/s, %d threads wall; "
               "VPDPBUSD on 1 thread by its CPU time %.0f GFLOP/s\n\n", p8, p16, threads, p8c);
-  std::printf("Wall time, %d threads: bf16 Gemm, int8 one call, int8 by 8 rows (the decoder "
-              "before), share of the peaks, time ratios. 1 thr CPU: the same calls on one thread "
-              "by its CPU time (robust to other load), and int8's share of the 1-thread peak.\n\n",
+  std::printf("Wall time, %d threads: bf16 Gemm on packed bf16 weights; GemmInt8 (int8 weights "
+              "converted to bf16 panels per task, the bf16 micro-kernel); GemvInt8 in one call "
+              "(VPDPBUSD, int16 activations) and in calls of 8 rows (the decoder before GemvInt8 "
+              "took prefill chunks whole); share of the peaks; speed ratios. 1 thr CPU: bf16 Gemm "
+              "and GemvInt8 on one thread by its CPU time (robust to other load).\n\n",
               threads);
-  std::printf("| M | shape | bf16 Gemm | int8 one call | int8 by 8 rows (old) | int8 %% of VPDPBUSD "
-              "peak | bf16 %% of VDPBF16PS peak | int8 time / bf16 time | one call vs by 8 | "
-              "1 thr CPU: bf16 | 1 thr CPU: int8 | int8 %% of 1-thr peak | 1 thr int8 / bf16 time |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| M | shape | bf16 Gemm | int8 GemmInt8 | int8 GemvInt8 | GemvInt8 by 8 rows | "
+              "GemmInt8 %% of VDPBF16PS peak | GemvInt8 %% of VPDPBUSD peak | bf16 %% of "
+              "VDPBF16PS peak | GemmInt8 speed vs GemvInt8 | bf16 speed vs GemmInt8 | GemvInt8 "
+              "one call vs by 8 | 1 thr CPU: bf16 | 1 thr CPU: GemvInt8 | GemvInt8 %% of 1-thr "
+              "peak | 1 thr bf16 speed vs GemvInt8 |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int b : batches) {
     double sum[kImpls] = {};
     double flops_total = 0;
