@@ -68,6 +68,8 @@ ABSL_FLAG(bool, fidelity, false,
           "over a random prompt and a teacher-forced bf16 greedy continuation");
 ABSL_FLAG(std::string, matmul, "auto", "decoder projections: auto, kernels or torch");
 ABSL_FLAG(std::string, weight_dtype, "bf16", "decoder projection weights: bf16 or int8");
+ABSL_FLAG(bool, int8_prefill_gemm, true,
+          "int8 layers: prefill rows on kernels::GemmInt8 (false: GemvInt8 like decode rows)");
 ABSL_FLAG(bool, int8_lm_head, true,
           "with int8 weights (and --fidelity): the LM head in int8 too (false: packed bf16 head)");
 ABSL_FLAG(std::string, tables, "decode,prefill,attention",
@@ -397,6 +399,7 @@ int RunFidelity(std::shared_ptr<const vlm::SafetensorsCheckpoint> checkpoint,
   auto bf16 = Decoder::Load(checkpoint, config, o);
   o.weight_dtype = WeightDType::kInt8;
   o.int8_lm_head = absl::GetFlag(FLAGS_int8_lm_head);
+  o.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
   auto int8 = Decoder::Load(checkpoint, config, o);
   if (!bf16.ok() || !int8.ok()) {
     std::fprintf(stderr, "load: %s %s\n", bf16.status().ToString().c_str(),
@@ -503,6 +506,7 @@ int Run() {
     o.matmul = *matmul;
     o.weight_dtype = *weights;
     o.int8_lm_head = absl::GetFlag(FLAGS_int8_lm_head);
+    o.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
   }
   o.prefill_chunk_tokens = absl::GetFlag(FLAGS_chunk);
   o.layers.eager_load = absl::GetFlag(FLAGS_eager);

@@ -238,8 +238,14 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
       return absl::FailedPreconditionError(absl::StrCat("weight_dtype int8: ", missing));
     }
     layer_options.form = ProjectionForm::kInt8;
-    matmul_note = absl::StrCat("int8 projections (gemv_int8/",
-                               kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
+    const kernels::GemmPath gemm = kernels::DefaultGemmPath();
+    d->int8_gemm_ = options.int8_prefill_gemm && gemm != kernels::GemmPath::kTorch;
+    matmul_note = absl::StrCat(
+        "int8 projections (decode rows gemv_int8/",
+        kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ", prefill rows ",
+        d->int8_gemm_ ? absl::StrCat("gemm_int8/", kernels::GemmPathName(gemm))
+                      : std::string("gemv_int8"),
+        ")");
   } else if (options.matmul != MatmulPath::kTorch) {
     const kernels::GemmPath gemm = kernels::DefaultGemmPath();
     const bool blocked = gemm != kernels::GemmPath::kTorch;
@@ -877,6 +883,41 @@ std::vector<at::Tensor> Decoder::Project(int64_t np, int64_t nd, const at::Tenso
   return ys;
 }
 
+// Int8 weights: prefill rows [0, np) through GemmInt8 when int8_gemm_
+// (multiply-bound: the bf16 micro-kernel on panels converted per call),
+// decode rows [np, np + nd) through GemvInt8 (bandwidth-bound: int8 bytes).
+// A row's kernel depends only on its kind, never on the batch it is in.
+at::Tensor Decoder::Int8Project(int64_t np, int64_t nd, const at::Tensor& h,
+                                const kernels::QuantizedWeight& w) const {
+  const int64_t gemm_rows = int8_gemm_ ? np : 0;
+  if (gemm_rows == 0) return Int8Rows(h, w);
+  at::Tensor y = at::empty({np + nd, w.n()}, h.options());
+  at::Tensor yp = y.narrow(0, 0, gemm_rows);
+  Check(kernels::GemmInt8(h.narrow(0, 0, gemm_rows), w, &yp));
+  if (nd > 0) {
+    at::Tensor yd = y.narrow(0, gemm_rows, nd);
+    Check(kernels::GemvInt8(h.narrow(0, gemm_rows, nd), w, &yd));
+  }
+  return y;
+}
+
+// x += h·wᵀ by row kind as Int8Project; the GEMM rows add in its epilogue
+// (x = round(x + f32 sum), in place), the GEMV rows round the product first.
+void Decoder::Int8AddInPlace(int64_t np, int64_t nd, const at::Tensor& h,
+                             const kernels::QuantizedWeight& w, at::Tensor& x) const {
+  const int64_t gemm_rows = int8_gemm_ ? np : 0;
+  if (gemm_rows > 0) {
+    at::Tensor xp = x.narrow(0, 0, gemm_rows);
+    kernels::GemmOptions go;
+    go.residual = xp;
+    Check(kernels::GemmInt8(h.narrow(0, 0, gemm_rows), w, &xp, go));
+  }
+  if (gemm_rows < np + nd) {
+    const int64_t rows = np + nd - gemm_rows;
+    RowAddInPlace(x.narrow(0, gemm_rows, rows), Int8Rows(h.narrow(0, gemm_rows, rows), w));
+  }
+}
+
 void Decoder::ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w,
                          const at::Tensor& h, at::Tensor* q, at::Tensor* k, at::Tensor* v) const {
   const TextConfig& c = config_.text;
@@ -898,7 +939,7 @@ void Decoder::ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w,
       break;
     }
     case ProjectionForm::kInt8:
-      y = Int8Rows(h, w.qkv8);
+      y = Int8Project(np, nd, h, w.qkv8);
       break;
   }
   *q = y.narrow(1, 0, nq).contiguous();
@@ -920,7 +961,7 @@ void Decoder::AddAttentionOut(int64_t np, int64_t nd, const DecoderLayerWeights&
       return;
     }
     case ProjectionForm::kInt8:
-      RowAddInPlace(x, Int8Rows(o, w.o8));
+      Int8AddInPlace(np, nd, o, w.o8, x);
       return;
   }
 }
@@ -945,10 +986,22 @@ void Decoder::AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const
     }
     case ProjectionForm::kInt8: {
       const int64_t inter = config_.text.intermediate_size;
-      const at::Tensor gu = Int8Rows(n, w.gate_up8);  // [R, 2·intermediate]
-      const at::Tensor a = RowSiluMul(gu.narrow(1, 0, inter).contiguous(),
-                                      gu.narrow(1, inter, inter).contiguous());
-      RowAddInPlace(x, Int8Rows(a, w.down8));
+      at::Tensor a = at::empty({np + nd, inter}, n.options());  // silu(gate)·up
+      const int64_t gemm_rows = int8_gemm_ ? np : 0;
+      if (gemm_rows > 0) {
+        at::Tensor ap = a.narrow(0, 0, gemm_rows);
+        kernels::GemmOptions act;
+        act.activation = kernels::Activation::kSiluMul;
+        Check(kernels::GemmInt8(n.narrow(0, 0, gemm_rows), w.gate_up8, &ap, act));
+      }
+      if (gemm_rows < np + nd) {
+        const at::Tensor gu = Int8Rows(n.narrow(0, gemm_rows, np + nd - gemm_rows),
+                                       w.gate_up8);  // [rows, 2·intermediate]
+        a.narrow(0, gemm_rows, np + nd - gemm_rows)
+            .copy_(RowSiluMul(gu.narrow(1, 0, inter).contiguous(),
+                              gu.narrow(1, inter, inter).contiguous()));
+      }
+      Int8AddInPlace(np, nd, a, w.down8, x);
       return;
     }
   }

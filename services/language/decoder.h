@@ -60,8 +60,10 @@ absl::StatusOr<MatmulPath> ParseMatmulPath(std::string_view value);
 //   bf16  as the compute dtype says (and --matmul decides the form).
 //   int8  symmetric, one scale per group of 32 along K (kernels/quantize.h),
 //         quantized at layer materialization (dense pages released after);
-//         every row through kernels::GemvInt8 (int16 activations) in groups
-//         of 8 rows (row-invariant), whatever MatmulPath says. The LM head
+//         decode rows through kernels::GemvInt8 (int16 activations), prefill
+//         rows through kernels::GemmInt8 (bf16 panels converted per call;
+//         DecoderOptions::int8_prefill_gemm), each row's result independent
+//         of its batch, whatever MatmulPath says. The LM head
 //         too when DecoderOptions::int8_lm_head (an int8 copy made at Load;
 //         the bf16 table stays for embedding lookups, which touch few pages).
 //         Needs the bf16 compute dtype (Load rejects f32: the f32 path is the
@@ -96,6 +98,10 @@ struct DecoderOptions {
   // read per decode step on the 2B model; logits cosine 0.99998 against the
   // bf16 head on the synthetic 2B checkpoint, scripts/bench/int8_fidelity.py).
   bool int8_lm_head = true;
+  // With weight_dtype int8: prefill rows through kernels::GemmInt8 (int8
+  // panels converted to bf16 per call, the bf16 GEMM's micro-kernel) where a
+  // blocked GEMM path exists; false: through GemvInt8 like decode rows.
+  bool int8_prefill_gemm = true;
   // layers.form is set by Load from matmul and weight_dtype.
   LayerStoreOptions layers;
 };
@@ -299,6 +305,12 @@ class Decoder {
   //   x += (silu(n·Wgᵀ)·(n·Wuᵀ))·Wdᵀ, in place
   void AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const at::Tensor& n,
               at::Tensor& x) const;
+  // Int8 layers, np prefill rows then nd decode rows: y = h·wᵀ [R, N], and
+  // x += h·wᵀ in place.
+  at::Tensor Int8Project(int64_t np, int64_t nd, const at::Tensor& h,
+                         const kernels::QuantizedWeight& w) const;
+  void Int8AddInPlace(int64_t np, int64_t nd, const at::Tensor& h,
+                      const kernels::QuantizedWeight& w, at::Tensor& x) const;
   // Runs S tokens (embedded: x [S, hidden]) through every layer, writing
   // their K/V at cache indices seq.length_ .. + S - 1; returns [S, hidden].
   at::Tensor RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) const;
@@ -323,6 +335,7 @@ class Decoder {
   at::Tensor final_norm_;    // [hidden]
   bool tied_ = true;
   bool use_gemv_ = false;
+  bool int8_gemm_ = false;  // int8 prefill rows through GemmInt8
   uint64_t embedding_bytes_ = 0;
   std::string load_summary_;
 };

@@ -41,8 +41,11 @@ ABSL_FLAG(std::string, matmul, "auto",
           "and decode rows; needs AVX-512 BF16 or AMX), torch (at::linear + vlm::Gemv), auto "
           "(kernels where available); f32 compute always uses at::linear");
 ABSL_FLAG(std::string, weight_dtype, "bf16",
-          "decoder projection weights: bf16, or int8 (per output channel, quantized at layer "
-          "materialization; needs --compute_dtype bf16; ignores --matmul)");
+          "decoder projection weights: bf16, or int8 (one scale per group of 32, quantized at "
+          "layer materialization; needs --compute_dtype bf16; ignores --matmul)");
+ABSL_FLAG(bool, int8_prefill_gemm, true,
+          "with --weight_dtype int8: prefill rows on the bf16 GEMM over int8 weights converted "
+          "per call (faster where prefill is compute-bound); false: the int8 GEMV like decode rows");
 ABSL_FLAG(int, intra_op_threads, 0, "LibTorch intra-op threads; 0 = hardware concurrency");
 ABSL_FLAG(int, warmup_delay_ms, 0, "artificial delay after the projector warm-up (tests of readiness)");
 
@@ -87,6 +90,7 @@ int Run() {
     return 2;
   }
   options.weight_dtype = *weight_dtype;
+  options.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
   options.warmup_delay = absl::Milliseconds(absl::GetFlag(FLAGS_warmup_delay_ms));
   if (options.model_dir.empty() || options.max_sequences < 1 || options.max_queue < 0 ||
       options.max_context < 2 || options.resident_layers < 0 || options.max_batch_tokens < 1 ||

@@ -50,7 +50,7 @@ bool HaveInt8(std::string* why) {
 
 std::unique_ptr<Decoder> LoadTiny(ComputeDType dtype, MatmulPath matmul,
                                   WeightDType weights = WeightDType::kBFloat16,
-                                  absl::Status* status = nullptr) {
+                                  absl::Status* status = nullptr, bool int8_prefill_gemm = true) {
   auto ckpt = SafetensorsCheckpoint::Open(TinyDir());
   EXPECT_TRUE(ckpt.ok()) << ckpt.status();
   auto config = LoadModelConfig(TinyDir());
@@ -60,6 +60,7 @@ std::unique_ptr<Decoder> LoadTiny(ComputeDType dtype, MatmulPath matmul,
   o.compute_dtype = dtype;
   o.matmul = matmul;
   o.weight_dtype = weights;
+  o.int8_prefill_gemm = int8_prefill_gemm;
   auto d = Decoder::Load(std::shared_ptr<const SafetensorsCheckpoint>(*std::move(ckpt)), *config, o);
   if (status != nullptr) {
     *status = d.status();
@@ -421,6 +422,38 @@ TEST(DecoderKernelsTest, BatchInvarianceIsExactWithInt8Weights) {
   auto d = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kAuto, WeightDType::kInt8);
   ASSERT_NE(d, nullptr);
   ExpectBatchInvariance(*d);
+}
+
+TEST(DecoderKernelsTest, Int8PrefillRowsRunOnTheGemmAndAgreeWithTheGemv) {
+  // Prefill rows of int8 layers go through kernels::GemmInt8 (bf16 x and
+  // bf16(scale·q) weights) unless int8_prefill_gemm is off (GemvInt8: int16
+  // x, exact int8 products). Both compute the same int8 model, so the logits
+  // agree closely; they are not bit-equal, which shows the GEMM ran.
+  std::string why;
+  if (!HaveKernels(&why) || !HaveInt8(&why)) GTEST_SKIP() << why;
+  auto gemm = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kAuto, WeightDType::kInt8, nullptr, true);
+  auto gemv = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kAuto, WeightDType::kInt8, nullptr, false);
+  ASSERT_NE(gemm, nullptr);
+  ASSERT_NE(gemv, nullptr);
+  EXPECT_NE(gemm->load_summary().find("prefill rows gemm_int8/"), std::string::npos)
+      << gemm->load_summary();
+  EXPECT_NE(gemv->load_summary().find("prefill rows gemv_int8"), std::string::npos)
+      << gemv->load_summary();
+  std::vector<at::Tensor> logits;
+  for (Decoder* d : {gemm.get(), gemv.get()}) {
+    std::mt19937 rng(17);
+    Script s = MakeScript(rng, *d, 40, 0, {17, 23}, 0, 8);
+    auto kv = d->NewKvStorage(8, 8);
+    ASSERT_TRUE(kv.ok());
+    RunTogether(*d, *kv, {&s});
+    ASSERT_EQ(s.logits.size(), 1u);
+    logits.push_back(s.logits[0].to(at::kDouble));
+  }
+  const double cos = (logits[0] * logits[1]).sum().item<double>() /
+                     (logits[0].norm().item<double>() * logits[1].norm().item<double>());
+  EXPECT_GE(cos, 0.9999);
+  EXPECT_FALSE(at::equal(logits[0], logits[1]));
+  std::printf("int8 prefill logits, GemmInt8 vs GemvInt8: cosine %.7f\n", cos);
 }
 
 TEST(DecoderKernelsTest, Int8LayerHoldsInt8BytesOnly) {
