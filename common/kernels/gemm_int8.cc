@@ -77,48 +77,53 @@ VLM_TARGET void FillHalfPanel(const QuantizedWeight& w, const int64_t rows[16], 
   const __m512i interleave = _mm512_load_si512(kInterleave);
   const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));  // q + 128 -> q
   for (int64_t s = 0; s < full; s += kInt8Block) {
-    // Scales of the block's 16 groups, one vector per row.
-    __m512 scale[16];
+    // scale[l] lane i: the scale of group l of the block in row i.
+    __m512i scale[16];
     for (int i = 0; i < 16; ++i) {
       if (rows[i] < 0) {
-        scale[i] = _mm512_setzero_ps();
+        scale[i] = _mm512_setzero_si512();
         continue;
       }
       const __m512 ratio = _mm512_cvtph_ps(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(w.ratios() + rows[i] * groups + s / kInt8Group)));
-      scale[i] = _mm512_mul_ps(_mm512_set1_ps(w.row_scales()[rows[i]]), ratio);
+      scale[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_set1_ps(w.row_scales()[rows[i]]), ratio));
     }
+    Transpose16(scale);
     for (int j = 0; j < 8; ++j) {
-      // Lane l of chunk j: elements s + 32l + 4j + e, e = 0..3; e = 0, 1 form
-      // k-pair (s + 32l + 4j) / 2, e = 2, 3 the next one.
-      for (int odd = 0; odd < 2; ++odd) {
-        __m512i pairs[16];
-        for (int i = 0; i < 16; ++i) {
-          if (rows[i] < 0) {
-            pairs[i] = _mm512_setzero_si512();
-            continue;
-          }
-          const uint8_t* src = w.row(rows[i]) + s + 64 * j;
-          // 16 rows are 16 streams, more than the hardware prefetchers
-          // follow: fetch each a block ahead into L2 (prefetches never fault).
-          if (odd == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + kAhead, _MM_HINT_T1);
-          const __m512i q = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
-          const int e0 = 2 * odd;
-          // Byte e of each dword, sign-extended: shift it to the top, then down.
-          const __m512 v0 = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 24 - 8 * e0), 24)),
-              scale[i]);
-          const __m512 v1 = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(q, 16 - 8 * e0), 24)),
-              scale[i]);
-          pairs[i] = _mm512_permutexvar_epi16(interleave,
-                                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0)));
+      // Chunk j of row i, lane l: elements s + 32l + 4j + e (e = 0..3) of
+      // group l. Transposed, q[l] lane i holds them for row i: the 16
+      // columns of k-pairs (s + 32l + 4j) / 2 (e = 0, 1) and the next (e = 2, 3).
+      __m512i q[16];
+      for (int i = 0; i < 16; ++i) {
+        if (rows[i] < 0) {
+          q[i] = flip;  // q = 0 after the flip
+          continue;
         }
-        Transpose16(pairs);
-        for (int l = 0; l < 16; ++l) {
-          const int64_t pair = (s + 32 * l + 4 * j) / 2 + odd;
-          _mm512_store_si512(dst + (pair * kPanelCols + 16 * h) * 2, pairs[l]);
-        }
+        const uint8_t* src = w.row(rows[i]) + s + 64 * j;
+        // 16 rows are 16 streams, more than the hardware prefetchers
+        // follow: fetch each a block ahead into L2 (prefetches never fault).
+        _mm_prefetch(reinterpret_cast<const char*>(src) + kAhead, _MM_HINT_T1);
+        q[i] = _mm512_loadu_si512(src);
+      }
+      Transpose16(q);
+      for (int l = 0; l < 16; ++l) {
+        const __m512i v = _mm512_xor_si512(q[l], flip);  // signed q in each byte
+        const __m512 sc = _mm512_castsi512_ps(scale[l]);
+        // Byte e of each dword, sign-extended: shifted to the top, then down.
+        const __m512 v0 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)), sc);
+        const __m512 v1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)), sc);
+        const __m512 v2 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24)), sc);
+        const __m512 v3 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)), sc);
+        const int64_t pair = (s + 32 * l + 4 * j) / 2;
+        uint16_t* out = dst + (pair * kPanelCols + 16 * h) * 2;
+        _mm512_store_si512(out, _mm512_permutexvar_epi16(
+                                    interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0))));
+        _mm512_store_si512(out + 2 * kPanelCols,
+                           _mm512_permutexvar_epi16(
+                               interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v3, v2))));
       }
     }
   }
