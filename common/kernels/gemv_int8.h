@@ -21,7 +21,9 @@
 // Batches of up to 8 rows (decode) stream each weight row once per call with
 // software prefetch into L2; larger ones (prefill) quantize all rows once and walk
 // the weights in blocks of 64 rows that stay in L2, each block serving every
-// batch row, so the weights also come from DRAM once per call.
+// batch row, so the weights also come from DRAM once per call. (The decoder
+// prefills int8 layers on GemmInt8, gemm.h, unless told otherwise: from about
+// 30 rows on, the bf16 micro-kernel on converted panels is faster.)
 // Threads: output rows split over common/kernels/thread_pool.h (prefill also
 // splits the quantization of x by rows).
 // Thread-safe; x and w are only read.
