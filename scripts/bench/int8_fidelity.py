@@ -10,11 +10,14 @@ C++ decoder. Variants separate:
     32/64/128 along K (one scale per group and channel, like llama.cpp's Q8_0);
   - activation quantization alone (exact weights): int8 per block of 32 (what GemvInt8 did),
     int16 per block of 32/256 or per row;
-  - their combinations, and the LM head quantized per channel.
+  - their combinations, and the LM head quantized per channel;
+  - with --per_projection: int8 per group of 32 on one projection kind at a time (q, k, v, o,
+    gate, up, down; the others bf16), then on all of them, to see whether one kind dominates.
 Quantization is symmetric round-to-nearest with scale max|v| / (2^(b-1) - 1), as
 common/kernels/quantize.cc and gemv_int8.cc compute it.
 
-Usage: int8_fidelity.py --checkpoint DIR [--tokens 48] [--variants a,b,...]
+Usage: int8_fidelity.py --checkpoint DIR [--tokens 48] [--seed 5] [--variants a,b,...]
+       [--per_projection]
 The checkpoint is memory-mapped (the 2B one is 4.3 GB; peak RSS stays around one layer in f32
 plus the LM head).
 """
@@ -93,12 +96,13 @@ VARIANTS = {
 }
 
 
-def make_linear(weights, wq, aq):
+def make_linear(weights, wq, aq, only=None):
+    """only: quantize the weights only of projections whose name contains it."""
     cache = {}
 
     def weight(name):
         w = weights[name].float()
-        if wq is None:
+        if wq is None or (only is not None and only not in name):
             return w
         if name not in cache:
             cache.clear()  # one weight at a time: bounded memory
@@ -176,6 +180,8 @@ def main():
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--per_projection", action="store_true",
+                    help="int8 per group of 32 on one projection kind at a time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with open(os.path.join(args.checkpoint, "config.json")) as f:
@@ -212,6 +218,14 @@ def main():
             sys.stdout.flush()
 
         row("f32 activations (no bf16 rounding)", None, None, None, f32)
+        if args.per_projection:
+            for kind in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                         "down_proj", None):
+                wq = (8, 32)
+                row("w8g32 on %s only" % kind if kind else "w8g32 on all", wq, None, None,
+                    forward(weights, tc, prefix, ids, make_linear(weights, wq, None, kind),
+                            head_bf16))
+            return
         for name in args.variants.split(","):
             wq, aq, hq = VARIANTS[name]
             if hq and hq not in head_q:
