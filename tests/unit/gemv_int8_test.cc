@@ -228,6 +228,32 @@ TEST_P(GemvInt8PathTest, L1PrefetchGivesTheSameResults) {
   }
 }
 
+// Batches of 5-8 rows walk a task's rows once per group of 4 batch rows; the
+// previous order (every batch row per row pair) gives the same bits, and so
+// does each row alone. N = 131: an odd row after the pairs, tasks of 64 rows
+// and a partial last one.
+TEST_P(GemvInt8PathTest, RowPairOrderGivesTheSameResults) {
+  for (int64_t k : {700, 2048}) {
+    const at::Tensor w = at::randn({131, k}) * 0.05;
+    absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
+    ASSERT_TRUE(q.ok());
+    for (int64_t b = 5; b <= 8; ++b) {
+      const at::Tensor x = HiddenWithOutliers(b, k).to(at::kBFloat16);
+      at::Tensor y, y_pairs;
+      ASSERT_TRUE(GemvInt8(x, *q, &y, options_).ok());
+      GemvInt8Options pairs = options_;
+      pairs.row_pair_order = true;
+      ASSERT_TRUE(GemvInt8(x, *q, &y_pairs, pairs).ok());
+      EXPECT_TRUE(at::equal(y, y_pairs)) << "K=" << k << " B=" << b;
+      for (int64_t r = 0; r < b; ++r) {
+        at::Tensor one;
+        ASSERT_TRUE(GemvInt8(x.narrow(0, r, 1), *q, &one, options_).ok());
+        EXPECT_TRUE(at::equal(one, y.narrow(0, r, 1))) << "K=" << k << " B=" << b << " row " << r;
+      }
+    }
+  }
+}
+
 // Prefill-sized batches (more than 8 rows: the weights are read once per call
 // and every row block serves all batch rows) give each row bit for bit what
 // a 1-row decode call gives, for every batch size 1..70 and 512, at batch
