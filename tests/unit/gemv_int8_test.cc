@@ -209,42 +209,30 @@ TEST_P(GemvInt8PathTest, EachBatchRowIsIndependentOfTheBatch) {
   }
 }
 
-// The previous decode prefetch (into L1, GemvInt8Options::prefetch_l1) moves
-// the same data and gives the same results bit for bit, batches 1..8.
-TEST_P(GemvInt8PathTest, L1PrefetchGivesTheSameResults) {
-  for (int64_t k : {700, 2048}) {
-    const at::Tensor w = at::randn({200, k}) * 0.05;
-    absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
-    ASSERT_TRUE(q.ok());
-    for (int64_t b = 1; b <= 8; ++b) {
-      const at::Tensor x = HiddenWithOutliers(b, k).to(at::kBFloat16);
-      at::Tensor y, y_l1;
-      ASSERT_TRUE(GemvInt8(x, *q, &y, options_).ok());
-      GemvInt8Options l1 = options_;
-      l1.prefetch_l1 = true;
-      ASSERT_TRUE(GemvInt8(x, *q, &y_l1, l1).ok());
-      EXPECT_TRUE(at::equal(y, y_l1)) << "K=" << k << " B=" << b;
-    }
-  }
-}
-
-// Batches of 5-8 rows walk a task's rows once per group of 4 batch rows; the
-// previous order (every batch row per row pair) gives the same bits, and so
-// does each row alone. N = 131: an odd row after the pairs, tasks of 64 rows
-// and a partial last one.
-TEST_P(GemvInt8PathTest, RowPairOrderGivesTheSameResults) {
+// The decode variants kept for benchmarks give the same bits as the default:
+// the previous prefetch (into L1) at B = 1..8, and the previous order of row
+// tiles at B = 5..8 (every batch row per row pair, where the default walks a
+// task's rows once per group of 4 batch rows); and each row equals its 1-row
+// call. N = 131: an odd row after the pairs, tasks of 64 rows and a partial
+// last one.
+TEST_P(GemvInt8PathTest, DecodeVariantsGiveTheSameResults) {
   for (int64_t k : {700, 2048}) {
     const at::Tensor w = at::randn({131, k}) * 0.05;
     absl::StatusOr<QuantizedWeight> q = QuantizeInt8(w);
     ASSERT_TRUE(q.ok());
-    for (int64_t b = 5; b <= 8; ++b) {
+    for (int64_t b = 1; b <= 8; ++b) {
       const at::Tensor x = HiddenWithOutliers(b, k).to(at::kBFloat16);
-      at::Tensor y, y_pairs;
+      at::Tensor y;
       ASSERT_TRUE(GemvInt8(x, *q, &y, options_).ok());
-      GemvInt8Options pairs = options_;
+      GemvInt8Options l1 = options_, pairs = options_;
+      l1.prefetch_l1 = true;
       pairs.row_pair_order = true;
-      ASSERT_TRUE(GemvInt8(x, *q, &y_pairs, pairs).ok());
-      EXPECT_TRUE(at::equal(y, y_pairs)) << "K=" << k << " B=" << b;
+      for (const GemvInt8Options& o : {l1, pairs}) {
+        at::Tensor y_variant;
+        ASSERT_TRUE(GemvInt8(x, *q, &y_variant, o).ok());
+        EXPECT_TRUE(at::equal(y, y_variant))
+            << "K=" << k << " B=" << b << (o.prefetch_l1 ? " L1 prefetch" : " row-pair order");
+      }
       for (int64_t r = 0; r < b; ++r) {
         at::Tensor one;
         ASSERT_TRUE(GemvInt8(x.narrow(0, r, 1), *q, &one, options_).ok());
