@@ -889,7 +889,7 @@ std::vector<at::Tensor> Decoder::Project(int64_t np, int64_t nd, const at::Tenso
 // A row's kernel depends only on its kind, never on the batch it is in.
 at::Tensor Decoder::Int8Project(int64_t np, int64_t nd, const at::Tensor& h,
                                 const kernels::QuantizedWeight& w) const {
-  const int64_t gemm_rows = int8_gemm_ ? np : 0;
+  const int64_t gemm_rows = Int8GemmRows(np);
   if (gemm_rows == 0) return Int8Rows(h, w);
   at::Tensor y = at::empty({np + nd, w.n()}, h.options());
   at::Tensor yp = y.narrow(0, 0, gemm_rows);
@@ -905,7 +905,7 @@ at::Tensor Decoder::Int8Project(int64_t np, int64_t nd, const at::Tensor& h,
 // (x = round(x + f32 sum), in place), the GEMV rows round the product first.
 void Decoder::Int8AddInPlace(int64_t np, int64_t nd, const at::Tensor& h,
                              const kernels::QuantizedWeight& w, at::Tensor& x) const {
-  const int64_t gemm_rows = int8_gemm_ ? np : 0;
+  const int64_t gemm_rows = Int8GemmRows(np);
   if (gemm_rows > 0) {
     at::Tensor xp = x.narrow(0, 0, gemm_rows);
     kernels::GemmOptions go;
@@ -986,20 +986,23 @@ void Decoder::AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const
     }
     case ProjectionForm::kInt8: {
       const int64_t inter = config_.text.intermediate_size;
-      at::Tensor a = at::empty({np + nd, inter}, n.options());  // silu(gate)·up
-      const int64_t gemm_rows = int8_gemm_ ? np : 0;
-      if (gemm_rows > 0) {
+      const int64_t gemm_rows = Int8GemmRows(np);
+      // silu(gate)·up of the GEMV rows [gemm_rows, R), from their [rows, 2·intermediate].
+      auto gemv_silu_mul = [&](int64_t rows) {
+        const at::Tensor gu = Int8Rows(n.narrow(0, gemm_rows, rows), w.gate_up8);
+        return RowSiluMul(gu.narrow(1, 0, inter).contiguous(),
+                          gu.narrow(1, inter, inter).contiguous());
+      };
+      at::Tensor a;  // silu(gate)·up [R, intermediate]
+      if (gemm_rows == 0) {
+        a = gemv_silu_mul(np + nd);  // decode-only passes: no extra buffer or copy
+      } else {
+        a = at::empty({np + nd, inter}, n.options());
         at::Tensor ap = a.narrow(0, 0, gemm_rows);
         kernels::GemmOptions act;
         act.activation = kernels::Activation::kSiluMul;
         Check(kernels::GemmInt8(n.narrow(0, 0, gemm_rows), w.gate_up8, &ap, act));
-      }
-      if (gemm_rows < np + nd) {
-        const at::Tensor gu = Int8Rows(n.narrow(0, gemm_rows, np + nd - gemm_rows),
-                                       w.gate_up8);  // [rows, 2·intermediate]
-        a.narrow(0, gemm_rows, np + nd - gemm_rows)
-            .copy_(RowSiluMul(gu.narrow(1, 0, inter).contiguous(),
-                              gu.narrow(1, inter, inter).contiguous()));
+        if (nd > 0) a.narrow(0, gemm_rows, nd).copy_(gemv_silu_mul(nd));
       }
       Int8AddInPlace(np, nd, a, w.down8, x);
       return;

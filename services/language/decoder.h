@@ -311,6 +311,9 @@ class Decoder {
                          const kernels::QuantizedWeight& w) const;
   void Int8AddInPlace(int64_t np, int64_t nd, const at::Tensor& h,
                       const kernels::QuantizedWeight& w, at::Tensor& x) const;
+  // Rows [0, result) of an int8 pass go through GemmInt8: the prefill rows
+  // when int8_gemm_, else none.
+  int64_t Int8GemmRows(int64_t np) const { return int8_gemm_ ? np : 0; }
   // Runs S tokens (embedded: x [S, hidden]) through every layer, writing
   // their K/V at cache indices seq.length_ .. + S - 1; returns [S, hidden].
   at::Tensor RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) const;
