@@ -210,7 +210,11 @@ absl::StatusOr<Hop> Get(const ImageUrl& url, const IpAddress& ip, const RemoteIm
                         absl::Time deadline, FetchControl* control) {
   std::unique_ptr<httplib::ClientImpl> client;
   if (url.scheme == "https") {
-    client = std::make_unique<httplib::SSLClient>(url.host, url.port);
+    auto tls = std::make_unique<httplib::SSLClient>(url.host, url.port);
+    // Verification (chain and the URL's host name) is on by default in cpp-httplib.
+    tls->enable_server_certificate_verification(true);
+    if (!options.ca_file.empty()) tls->set_ca_cert_path(options.ca_file);
+    client = std::move(tls);
   } else {
     client = std::make_unique<httplib::ClientImpl>(url.host, url.port);
   }

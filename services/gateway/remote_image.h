@@ -118,6 +118,7 @@ struct RemoteImageOptions {
   int max_redirects = 5;
   int max_parallel = 4;                     // fetches of one request at once
   bool allow_loopback = LoopbackImagesAllowedForTesting();  // test-only, see above
+  std::string ca_file;                      // CAs trusted for https (empty: the system's)
   HostResolver resolve;                     // empty: SystemResolve
 };
 

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "tests/integration/pki.h"
 
 namespace vlm::gateway {
 namespace {
@@ -352,7 +353,9 @@ class RemoteImageFetchTest : public ::testing::Test {
                        absl::Time deadline) -> absl::StatusOr<std::vector<IpAddress>> {
       absl::MutexLock lock(&mu_);
       ++lookups_[host];
-      if (host == "images.test") return std::vector<IpAddress>{Ip("127.0.0.1")};
+      if (host == "images.test" || host == "other.test") {
+        return std::vector<IpAddress>{Ip("127.0.0.1")};
+      }
       // A broken check would connect to the first, harmless, address.
       if (host == "mixed.test") return std::vector<IpAddress>{Ip("127.0.0.1"), Ip("10.0.0.7")};
       if (host == "metadata.test") {
@@ -473,6 +476,39 @@ TEST_F(RemoteImageFetchTest, SizeStatusTypeAndTimeLimits) {
   r = FetchRemoteImage(images_.Url("/hang.png"), o, absl::Now() + o.timeout);
   EXPECT_TRUE(absl::IsDeadlineExceeded(r.status())) << r.status();
   EXPECT_TRUE(absl::StrContains(r.status().message(), "timed out")) << r.status();
+}
+
+// https: the connection goes to the checked address, the certificate is
+// verified against the URL's host name.
+TEST_F(RemoteImageFetchTest, HttpsVerifiesTheUrlsHostAtTheCheckedAddress) {
+  testing::Pki pki(::testing::TempDir() + "remote_image_pki");
+  ASSERT_TRUE(pki.MakeCa("ca"));
+  ASSERT_TRUE(pki.MakeLeaf("images", "images.test", "DNS:images.test", "ca"));
+  httplib::SSLServer tls(pki.cert("images").c_str(), pki.key("images").c_str());
+  ASSERT_TRUE(tls.is_valid());
+  tls.Get("/cat.png", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(FakePng(5), "image/png");
+  });
+  const int port = tls.bind_to_any_port("127.0.0.1");
+  ASSERT_GT(port, 0);
+  std::thread serving([&] { tls.listen_after_bind(); });
+  for (int i = 0; i < 5000 && !tls.is_running(); ++i) absl::SleepFor(absl::Milliseconds(1));
+
+  RemoteImageOptions o = Options(true);
+  o.ca_file = pki.cert("ca");
+  const std::string url = absl::StrCat("https://images.test:", port, "/cat.png");
+  absl::StatusOr<std::string> r = FetchRemoteImage(url, o, absl::Now() + o.timeout);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (r.ok()) EXPECT_EQ(*r, FakePng(5));
+  // The same server under a name its certificate does not hold.
+  r = FetchRemoteImage(absl::StrCat("https://other.test:", port, "/cat.png"), o,
+                       absl::Now() + o.timeout);
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "not trusted")) << r.status();
+  // A CA the fetcher does not trust.
+  r = FetchRemoteImage(url, Options(true), absl::Now() + o.timeout);
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "not trusted")) << r.status();
+  tls.stop();
+  serving.join();
 }
 
 // ---- a request's images --------------------------------------------------------------
