@@ -157,6 +157,7 @@ std::optional<ApiError> HttpServer::Impl::FetchRemoteImages(OpenAiChatRequest* p
   RemoteImageOptions fetch;
   fetch.max_bytes = options.max_remote_image_bytes;
   fetch.timeout = std::min(options.remote_image_timeout, pipeline->options().default_deadline);
+  fetch.max_images = pipeline->options().limits.max_images_per_request;
   return vlm::gateway::FetchRemoteImages(fetch, parsed);
 }
 

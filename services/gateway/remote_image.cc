@@ -563,6 +563,20 @@ std::optional<ApiError> FetchRemoteImages(const RemoteImageOptions& options,
   const std::vector<RemoteImage>& remotes = parsed->remote_images;
   const size_t n = remotes.size();
   if (n == 0) return std::nullopt;
+  // The gateway refuses such a request anyway: fetching its images first would
+  // let one request make the gateway send any number of fetches.
+  int images = 0;
+  for (const v1::ChatMessage& m : parsed->request.messages()) {
+    for (const v1::ContentPart& p : m.content()) images += p.has_image() ? 1 : 0;
+  }
+  if (images > options.max_images) {
+    ApiError e;
+    e.code = grpc::StatusCode::INVALID_ARGUMENT;
+    e.param = "messages";
+    e.message = absl::StrCat("request has ", images, " images; max_images_per_request is ",
+                             options.max_images);
+    return e;
+  }
   const absl::Time deadline = absl::Now() + options.timeout;
 
   struct Batch {

@@ -117,6 +117,7 @@ struct RemoteImageOptions {
   absl::Duration timeout = absl::Seconds(10);  // for all images of a request together
   int max_redirects = 5;
   int max_parallel = 4;                     // fetches of one request at once
+  int max_images = 8;  // images per request (inline ones count): more are refused before fetching
   bool allow_loopback = LoopbackImagesAllowedForTesting();  // test-only, see above
   std::string ca_file;                      // CAs trusted for https (empty: the system's)
   HostResolver resolve;                     // empty: SystemResolve
@@ -134,7 +135,8 @@ absl::StatusOr<std::string> FetchRemoteImage(const std::string& url,
 // Fetches every parsed->remote_images entry in parallel into its
 // request.messages(m).content(p).image().data. Returns the first failure as a
 // 400 ApiError (param: the image's URL field; code "image_url_not_allowed" for
-// a refused scheme or address, else "image_fetch_failed"), or nullopt.
+// a refused scheme or address, else "image_fetch_failed"), or nullopt. A
+// request with more than max_images images is refused without any fetch.
 std::optional<ApiError> FetchRemoteImages(const RemoteImageOptions& options,
                                           OpenAiChatRequest* parsed);
 

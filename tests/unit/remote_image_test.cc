@@ -631,6 +631,18 @@ TEST_F(RemoteImageBatchTest, TheFailureNamesItsImageAmongAllImagesOfTheRequest) 
       << e->message;
 }
 
+TEST_F(RemoteImageBatchTest, TooManyImagesAreRefusedBeforeAnyFetch) {
+  RemoteImageOptions o = Options(true);
+  o.max_images = 2;
+  OpenAiChatRequest r =
+      Request({images_.Url("/cat.png"), images_.Url("/cat.png"), images_.Url("/cat.png")});
+  std::optional<ApiError> e = FetchRemoteImages(o, &r);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "messages");
+  EXPECT_EQ(e->message, "request has 3 images; max_images_per_request is 2");
+  EXPECT_EQ(images_.TotalHits(), 0);
+}
+
 TEST_F(RemoteImageBatchTest, AFailureStopsTheOtherFetches) {
   // A hanging image and a refused one: the refusal answers without waiting for the hang.
   OpenAiChatRequest r = Request({images_.Url("/hang.png"), images_.Url("/cat.png", "0.0.0.0")});
