@@ -246,6 +246,7 @@ absl::StatusOr<Hop> Get(const ImageUrl& url, const IpAddress& ip, const RemoteIm
       url.target, headers,
       [&](const httplib::Response& response) {
         hop.status = response.status;
+        if (control != nullptr && control->cancelled()) return false;
         if (IsRedirect(response.status)) {
           hop.location = response.get_header_value("Location");
           return false;  // the redirect's body is not needed
