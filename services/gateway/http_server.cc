@@ -6,6 +6,7 @@
 #include <prometheus/histogram.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
@@ -24,6 +25,7 @@
 #include "common/metrics.h"
 #include "services/gateway/http_status.h"
 #include "services/gateway/openai_protocol.h"
+#include "services/gateway/remote_image.h"
 #include "services/gateway/web_assets.h"
 
 namespace vlm::gateway {
@@ -70,14 +72,6 @@ void SendError(httplib::Response& res, const ApiError& error) {
 }
 
 std::string SseEvent(const std::string& data) { return absl::StrCat("data: ", data, "\n\n"); }
-
-// "http://host:port/path" -> ("http://host:port", "/path").
-std::pair<std::string, std::string> SplitUrl(const std::string& url) {
-  const size_t scheme = url.find("://");
-  const size_t slash = url.find('/', scheme == std::string::npos ? 0 : scheme + 3);
-  if (slash == std::string::npos) return {url, "/"};
-  return {url.substr(0, slash), url.substr(slash)};
-}
 
 // One streamed completion: the pipeline runs on `worker` and queues SSE
 // events; the connection's thread writes them.
@@ -160,51 +154,11 @@ struct HttpServer::Impl {
 };
 
 std::optional<ApiError> HttpServer::Impl::FetchRemoteImages(OpenAiChatRequest* parsed) const {
-  for (const RemoteImage& remote : parsed->remote_images) {
-    auto [origin, path] = SplitUrl(remote.url);
-    httplib::Client client(origin);
-    const int64_t timeout_us = absl::ToInt64Microseconds(options.remote_image_timeout);
-    client.set_connection_timeout(timeout_us / 1000000, timeout_us % 1000000);
-    client.set_read_timeout(timeout_us / 1000000, timeout_us % 1000000);
-    client.set_follow_location(false);
-    std::string body;
-    bool too_large = false;
-    const absl::Time give_up = absl::Now() + options.remote_image_timeout;
-    auto result = client.Get(path, [&](const char* data, size_t length) {
-      body.append(data, length);
-      too_large = static_cast<int64_t>(body.size()) > options.max_remote_image_bytes;
-      return !too_large && absl::Now() < give_up;
-    });
-    ApiError e;
-    e.code = grpc::StatusCode::INVALID_ARGUMENT;
-    e.param = remote.param;
-    e.error_code = "image_fetch_failed";
-    if (too_large) {
-      e.message = absl::StrCat(remote.param, ": the image at ", remote.url, " is larger than ",
-                               options.max_remote_image_bytes, " bytes");
-      return e;
-    }
-    if (!result) {
-      e.message = absl::StrCat(remote.param, ": cannot fetch ", remote.url, ": ",
-                               absl::Now() >= give_up ? "timed out" : httplib::to_string(result.error()));
-      return e;
-    }
-    if (result->status != 200) {
-      e.message = absl::StrCat(remote.param, ": fetching ", remote.url, " answered HTTP ",
-                               result->status);
-      return e;
-    }
-    if (SniffImageType(body).empty()) {
-      e.message = absl::StrCat(remote.param, ": ", remote.url,
-                               " is not a JPEG, PNG or WebP image");
-      return e;
-    }
-    parsed->request.mutable_messages(remote.message)
-        ->mutable_content(remote.part)
-        ->mutable_image()
-        ->set_data(std::move(body));
-  }
-  return std::nullopt;
+  RemoteImageOptions fetch;
+  fetch.max_bytes = options.max_remote_image_bytes;
+  fetch.timeout = std::min(options.remote_image_timeout, pipeline->options().default_deadline);
+  fetch.max_images = pipeline->options().limits.max_images_per_request;
+  return vlm::gateway::FetchRemoteImages(fetch, parsed);
 }
 
 void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res) {

@@ -86,7 +86,8 @@ ABSL_FLAG(int64_t, max_http_body_bytes, 32 << 20, "largest HTTP request body; la
 ABSL_FLAG(int, http_threads, 64, "HTTP connections served at once (an SSE stream holds one)");
 ABSL_FLAG(bool, allow_remote_images, false,
           "fetch http(s):// image URLs of HTTP requests (off: refused with 400)");
-ABSL_FLAG(double, remote_image_timeout_s, 10, "time limit of one remote image fetch");
+ABSL_FLAG(double, remote_image_timeout_s, 10,
+          "time limit for fetching all remote images of a request (fetched in parallel)");
 
 namespace {
 

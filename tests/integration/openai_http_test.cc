@@ -641,54 +641,6 @@ TEST_F(OpenAiHttpExtraTest, DeadlineIs504) {
   EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
 }
 
-TEST_F(OpenAiHttpExtraTest, RemoteImagesAreFetchedWhenAllowedWithinLimits) {
-  const std::string png = testing::PatternPng(96, 64, 11);
-  httplib::Server images;
-  images.Get("/cat.png", [&](const httplib::Request&, httplib::Response& res) {
-    res.set_content(png, "image/png");
-  });
-  images.Get("/note.txt", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("just text", "text/plain");
-  });
-  images.Get("/huge.png", [&](const httplib::Request&, httplib::Response& res) {
-    res.set_content(png + std::string(200000, '\0'), "image/png");
-  });
-  const int images_port = images.bind_to_any_port("127.0.0.1");
-  ASSERT_GT(images_port, 0);
-  std::thread serving([&] { images.listen_after_bind(); });
-  ExtraGateway g = Start("gateway-remote", {"--allow_remote_images", "--max_image_bytes=100000"});
-  auto ask = [&](const std::string& path) {
-    json body = ChatBody("", 2);
-    body["messages"][0]["content"] = json::array(
-        {{{"type", "text"}, {"text", "What is this?"}},
-         {{"type", "image_url"},
-          {"image_url", {{"url", absl::StrCat("http://127.0.0.1:", images_port, path)}}}}});
-    return Post(body, g.port);
-  };
-  auto ok = ask("/cat.png");
-  ASSERT_TRUE(ok);
-  EXPECT_EQ(ok->status, 200) << ok->body;
-  if (ok->status == 200) {
-    EXPECT_EQ(json::parse(ok->body)["x_vlm"]["images"][0]["tokens"], 6);
-  }
-  const std::string param = "messages[0].content[1].image_url.url";
-  for (const auto& [path, words] : std::vector<std::pair<std::string, std::string>>{
-           {"/note.txt", "is not a JPEG, PNG or WebP image"},
-           {"/huge.png", "larger than 100000 bytes"},
-           {"/missing.png", "answered HTTP 404"}}) {
-    SCOPED_TRACE(path);
-    auto res = ask(path);
-    ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 400) << res->body;
-    const json e = json::parse(res->body)["error"];
-    EXPECT_EQ(e["param"], param);
-    EXPECT_TRUE(absl::StrContains(e["message"].get<std::string>(), words)) << res->body;
-  }
-  images.stop();
-  serving.join();
-  EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
-}
-
 TEST_F(OpenAiHttpExtraTest, SigtermLetsAnOpenStreamFinishThenExits0) {
   ExtraGateway g = Start("gateway-drain", {"--drain_timeout_s=20"});
   json body = ChatBody("A story of medium length.", 600);
