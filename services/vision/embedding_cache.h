@@ -37,92 +37,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "common/sha256.h"
+#include "services/vision/cache_key.h"
 
 namespace vlm::vision {
 
 // ----------------------------------------------------------------------------
-// Values
-
-// Element type of a cached tensor; the numbers match vlm.v1.DType on the wire.
-enum class FeatureDType : uint32_t { kBF16 = 1, kF16 = 2, kF32 = 3 };
-
-// Bytes per element; 0 for a value outside the enum.
-size_t FeatureDTypeSize(FeatureDType dtype);
-
-// A dense row-major tensor as raw little-endian bytes.
-struct FeatureTensor {
-  FeatureDType dtype = FeatureDType::kBF16;
-  std::vector<int64_t> shape;
-  std::string data;  // exactly NumElements() * FeatureDTypeSize(dtype) bytes
-
-  int64_t NumElements() const;  // -1 if a dimension is negative or it overflows
-};
-
-// The pre-projector features of one image: the last ViT block's output and the
-// deepstack taps (each [patches, vision hidden] in the model's dtype), its grid.
-struct CachedFeatures {
-  int64_t grid_t = 0;
-  int64_t grid_h = 0;
-  int64_t grid_w = 0;
-  FeatureTensor last_hidden;
-  std::vector<FeatureTensor> deepstack;
-  // Lowercase hex SHA-256 of the encoded bytes this value was computed from.
-  // A hit through the pixel key returns the first image's hash: a service
-  // reports the hash of the bytes it was sent, not this one.
-  std::string content_hash;
-
-  // Heap and object bytes this value holds (what the memory bound counts).
-  size_t ByteSize() const;
-  // Grid positive, tensors well-formed (known dtype, sizes match shapes).
-  absl::Status Validate() const;
-};
-
-using FeaturesPtr = std::shared_ptr<const CachedFeatures>;
-
-// ----------------------------------------------------------------------------
-// Keys
-
-struct CacheKey {
-  Sha256Digest digest{};
-
-  std::string Hex() const { return HexEncode(digest); }
-  bool operator==(const CacheKey& other) const { return digest == other.digest; }
-  bool operator!=(const CacheKey& other) const { return digest != other.digest; }
-};
-
-struct CacheKeyHash {
-  size_t operator()(const CacheKey& key) const;  // digests are uniform: 8 bytes
-};
-
-// What else besides the image decides the features. Use the effective values
-// (after server defaults are applied), so that "unset" and "the default" share
-// entries, and a fingerprint that changes whenever the weights or the
-// preprocessing config change.
-struct CacheKeyContext {
-  int64_t min_pixels = 0;
-  int64_t max_pixels = 0;
-  std::string model_fingerprint;
-};
-
-// Parses 64 hex characters (either case) into a digest; INVALID_ARGUMENT else.
-absl::StatusOr<Sha256Digest> ParseContentHash(std::string_view hex);
-
-// The bytes key of an image whose encoded bytes hash to `content_hash`.
-CacheKey KeyForContentHash(const Sha256Digest& content_hash, const CacheKeyContext& context);
-// Same as KeyForContentHash(Sha256(image_bytes), context).
-CacheKey KeyForImageBytes(std::string_view image_bytes, const CacheKeyContext& context);
-// The pixel key of a decoded image: `rgb` is width*height*3 bytes, interleaved
-// RGB, rows top to bottom, after EXIF orientation and alpha handling.
-CacheKey KeyForPixels(std::string_view rgb, int64_t width, int64_t height,
-                      const CacheKeyContext& context);
-
-// ----------------------------------------------------------------------------
 // The cache
-
-// Where a value came from; the same levels as vlm.v1.CacheLevel.
-enum class CacheLevel { kMiss, kMemory, kPixels, kDisk };
-const char* CacheLevelName(CacheLevel level);  // "miss", "memory", "pixels", "disk"
 
 struct CacheResult {
   FeaturesPtr features;
@@ -296,6 +216,22 @@ class EmbeddingCache {
   void EvictLocked();
   absl::Status WaitLocked(std::unique_lock<std::mutex>& lock, Flight& flight,
                           const WaitOptions& wait);
+  // Single flight: the value of `key` from memory, else from a flight in
+  // progress (waiting for it; `own`, the caller's own flight, is not waited
+  // for), else kNowhere. A waiter's deadline or cancellation is the error; a
+  // failed flight is returned as the error when `failures_are_final` and it
+  // describes the image, else the search starts again.
+  struct Joined {
+    enum From { kNowhere, kMemory, kFlight } from = kNowhere;
+    FeaturesPtr value;
+    CacheLevel level = CacheLevel::kMemory;
+  };
+  absl::StatusOr<Joined> FindOrJoinLocked(std::unique_lock<std::mutex>& lock, const CacheKey& key,
+                                          const WaitOptions& wait, const Flight* own,
+                                          bool failures_are_final);
+  // The caller's result for a memory hit or a joined flight (counted), nullopt
+  // for kNowhere.
+  std::optional<CacheResult> CountJoinedLocked(const Joined& joined);
   void FinishFlightLocked(Flight& flight, absl::Status status, FeaturesPtr value,
                           CacheLevel level);
 

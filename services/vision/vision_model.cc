@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/torch_util.h"
 #include "common/kernels/flash_attention.h"
 #include "common/kernels/gemm.h"
 #include "common/log.h"
@@ -23,10 +24,6 @@ namespace {
 constexpr double kLayerNormEps = 1e-6;     // hard-coded in the reference (§1)
 constexpr double kRotaryTheta = 10000.0;   // vision rotary base (§4.3)
 constexpr int64_t kMaxGridSide = 1 << 16;  // patches per axis; keeps t·h·w far from overflow
-
-at::ScalarType ToScalarType(ComputeDType dtype) {
-  return dtype == ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
-}
 
 }  // namespace
 
@@ -140,16 +137,6 @@ absl::StatusOr<std::string> FindPrefix(const SafetensorsCheckpoint& checkpoint) 
       "visual.patch_embed.proj.weight is present");
 }
 
-absl::Status FromTorch(const char* where, const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    return absl::InternalError(absl::StrCat(where, ": ", c10_error->what_without_backtrace()));
-  }
-  if (dynamic_cast<const std::bad_alloc*>(&e)) {
-    return absl::ResourceExhaustedError(absl::StrCat(where, ": out of memory"));
-  }
-  return absl::InternalError(absl::StrCat(where, ": ", e.what()));
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<VisionModel>> VisionModel::Load(
@@ -178,7 +165,7 @@ absl::StatusOr<std::unique_ptr<VisionModel>> VisionModel::Load(
   const int64_t hidden = c.hidden_size, inter = c.intermediate_size;
   auto weights = std::make_unique<Weights>();
   weights->mlp_gelu_tanh = c.hidden_act != "gelu";
-  WeightReader reader(checkpoint, *prefix, ToScalarType(model->compute_dtype_));
+  WeightReader reader(checkpoint, *prefix, ScalarTypeOf(model->compute_dtype_));
   try {
 #define VLM_GET(dst, field, ...)                                        \
   do {                                                                  \
@@ -210,7 +197,7 @@ absl::StatusOr<std::unique_ptr<VisionModel>> VisionModel::Load(
     }
 #undef VLM_GET
   } catch (const std::exception& e) {
-    return FromTorch("vision model load", e);
+    return StatusFromException("vision model load", e);
   }
   // bf16 through the project's kernels: pack every linear once. The packed
   // copies replace the originals, which are dropped (a borrowed mapping can
@@ -368,7 +355,7 @@ absl::StatusOr<VisionFeatures> VisionModel::Forward(const at::Tensor& pixel_valu
   if (uses_kernels_) return ForwardKernels(pixel_values, grids, cu_seqlens);
   try {
     const Weights& wt = *weights_;
-    const at::ScalarType dtype = ToScalarType(compute_dtype_);
+    const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
     const int64_t n = total, heads = c.num_heads, head_dim = c.head_dim();
 
     // §4.1 patch embedding: x [N, hidden] = pixel_values · Wpeᵀ + b
@@ -414,7 +401,7 @@ absl::StatusOr<VisionFeatures> VisionModel::Forward(const at::Tensor& pixel_valu
     out.last_hidden = x;
     return out;
   } catch (const std::exception& e) {
-    return FromTorch("vision forward", e);
+    return StatusFromException("vision forward", e);
   }
 }
 
@@ -491,7 +478,7 @@ absl::StatusOr<VisionFeatures> VisionModel::ForwardKernels(
     out.last_hidden = x;
     return out;
   } catch (const std::exception& e) {
-    return FromTorch("vision forward", e);
+    return StatusFromException("vision forward", e);
   }
 }
 

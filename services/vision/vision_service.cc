@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/torch_util.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -80,16 +81,6 @@ double MsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
-absl::Status FromTorch(const char* where, const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    return absl::InternalError(absl::StrCat(where, ": ", c10_error->what_without_backtrace()));
-  }
-  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat(where, ": out of memory"));
-  }
-  return absl::InternalError(absl::StrCat(where, ": ", e.what()));
-}
-
 std::string Hostname() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "vlm-vision";
@@ -132,7 +123,7 @@ absl::Status ToWire(const FeatureTensor& cached, v1::DType dtype, v1::Tensor* ou
                                     at::TensorOptions().dtype(ToScalarType(cached.dtype)));
     return EncodeTensor(view, dtype, out);
   } catch (const std::exception& e) {
-    return FromTorch("features to wire", e);
+    return StatusFromException("features to wire", e);
   }
 }
 
@@ -636,7 +627,7 @@ absl::Status VisionService::Load() {
         absl::StatusOr<vlm::VisionFeatures> out = model_->Forward(pixels, {grid});
         warm = out.status();
       } catch (const std::exception& e) {
-        warm = FromTorch("warm-up", e);
+        warm = StatusFromException("warm-up", e);
       }
     };
     for (int run = 0; run < c.warmup_runs; ++run) {
@@ -776,7 +767,7 @@ absl::StatusOr<FeaturesPtr> VisionService::Compute(std::string_view bytes,
       features->deepstack.push_back(ToFeatureTensor(tap, dtype));
     }
   } catch (const std::exception& e) {
-    return FromTorch("vision encode", e);
+    return StatusFromException("vision encode", e);
   }
   features->content_hash = outcome->content_hash;
   outcome->encode_ms = MsSince(start);
@@ -836,7 +827,7 @@ absl::StatusOr<EncodeOutcome> VisionService::EncodeImage(const EncodeCall& call)
           try {
             computed = Compute(call.image_bytes, opts, key_context, &probe, call.deadline, &outcome);
           } catch (const std::exception& e) {
-            computed = FromTorch("vision encode", e);
+            computed = StatusFromException("vision encode", e);
           }
         };
         if (absl::Status ran = pool_->Run(work, call.deadline, call.is_cancelled); !ran.ok()) {

@@ -185,7 +185,8 @@ void WriteFileBytes(const std::string& path, const std::string& bytes) {
 // Keys
 
 TEST(EmbeddingCacheKeys, MatchTheDocumentedLayout) {
-  // Independent reference: Python hashlib over the layout in the .cc, e.g.
+  // Independent reference: Python hashlib over the layout documented in
+  // cache_key.h (tests/reference/cache_keys_ref.py prints both values), e.g.
   //   sha256(b"vlm.embedding_cache.bytes.v1\0" + sha256(b"hello").digest()
   //          + le64(3136) + le64(12845056) + le64(7) + b"fp-test")
   // Changing these invalidates every disk tier in the field: bump the domain.
