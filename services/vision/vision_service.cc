@@ -491,9 +491,9 @@ VisionService::~VisionService() {
 
 bool VisionService::loaded() const { return loaded_.load(std::memory_order_acquire); }
 
-absl::Status VisionService::Load() {
-  if (loaded() || model_ != nullptr) return absl::FailedPreconditionError("Load called twice");
-  const VisionServiceConfig& c = config_;
+namespace {
+
+absl::Status CheckServiceConfig(const VisionServiceConfig& c) {
   if (c.model_dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
   if (c.encode_workers < 1 || c.encode_queue_size < 0 || c.intra_op_threads < 1 ||
       c.warmup_runs < 1) {
@@ -509,16 +509,15 @@ absl::Status VisionService::Load() {
     return absl::InvalidArgumentError("--max_encoded_bytes and --max_decoded_pixels must be >= 1");
   }
 
-  // --- configuration -------------------------------------------------------
-  LogInfo(kLog, "loading the vision encoder", {{"config", c.Describe()}});
-  LoadPhaseTimer config_timer("vision_config");
-  absl::StatusOr<std::string> config_json = ReadFileToString(c.model_dir + "/config.json");
-  if (!config_json.ok()) return config_json.status();
-  absl::StatusOr<ModelConfig> model_config = ParseModelConfig(*config_json);
-  if (!model_config.ok()) return model_config.status();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status VisionService::ReadPreprocessing(const VisionConfig& vc) {
+  const VisionServiceConfig& c = config_;
   absl::StatusOr<PreprocessorConfig> pp = LoadPreprocessorConfig(c.model_dir);
   if (!pp.ok()) return pp.status();
-  const VisionConfig& vc = model_config->vision;
   if (pp->patch_size != vc.patch_size || pp->merge_size != vc.spatial_merge_size ||
       pp->temporal_patch_size != vc.temporal_patch_size) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -558,9 +557,11 @@ absl::Status VisionService::Load() {
   }
   if (absl::Status s = ValidatePreprocessOptions(options); !s.ok()) return s;
   default_options_ = options;
-  config_timer.Stop();
+  return absl::OkStatus();
+}
 
-  // --- weights ---------------------------------------------------------------
+absl::Status VisionService::LoadWeights(const ModelConfig& model_config) {
+  const VisionServiceConfig& c = config_;
   {
     LoadPhaseTimer timer("vision_weights");
     absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> checkpoint =
@@ -572,7 +573,7 @@ absl::Status VisionService::Load() {
     model_options.attention_query_tile = c.attention_query_tile;
     model_options.use_kernels = c.use_kernels;
     absl::StatusOr<std::unique_ptr<VisionModel>> model =
-        VisionModel::Load(*checkpoint_, *model_config, model_options);
+        VisionModel::Load(*checkpoint_, model_config, model_options);
     if (!model.ok()) return model.status();
     model_ = std::move(*model);
     LogInfo(kLog, "vision model loaded", {{"summary", model_->load_summary()}});
@@ -583,11 +584,16 @@ absl::Status VisionService::Load() {
   const FeatureDType cached_dtype = CachedDType(model_->compute_dtype());
   feature_dtype_size_ = FeatureDTypeSize(cached_dtype);
 
-  // --- fingerprint: weights' headers + vision_config, preprocessing, dtype ----
+  return absl::OkStatus();
+}
+
+// Weights' headers + vision_config, preprocessing, compute dtype.
+absl::Status VisionService::ComputeFingerprint(const std::string& config_json) {
+  const PreprocessOptions& options = default_options_;
   const std::string prefix =
       checkpoint_->Has("model.visual.patch_embed.proj.weight") ? "model.visual." : "visual.";
   absl::StatusOr<std::string> component =
-      ComponentFingerprint(*config_json, *checkpoint_, "vision_config", prefix);
+      ComponentFingerprint(config_json, *checkpoint_, "vision_config", prefix);
   if (!component.ok()) return component.status();
   fingerprint_ = Sha256Hex(absl::StrFormat(
       "vlm-vision-features v1\nweights %s\npreprocess patch=%d merge=%d temporal=%d "
@@ -597,7 +603,11 @@ absl::Status VisionService::Load() {
       options.image_std[0], options.image_std[1], options.image_std[2],
       ComputeDTypeName(model_->compute_dtype())));
 
-  // --- cache and workers -----------------------------------------------------
+  return absl::OkStatus();
+}
+
+absl::Status VisionService::StartCacheAndWorkers() {
+  const VisionServiceConfig& c = config_;
   {
     LoadPhaseTimer timer("vision_cache");
     absl::StatusOr<std::unique_ptr<EmbeddingCache>> cache = EmbeddingCache::Create(c.cache);
@@ -608,7 +618,11 @@ absl::Status VisionService::Load() {
   pool_ = std::make_unique<EncodePool>(c.encode_workers, c.encode_queue_size, c.intra_op_threads,
                                        metrics_);
 
-  // --- warm-up: one forward on a small generated image, on a worker ----------
+  return absl::OkStatus();
+}
+
+// One forward on a small generated image, on a worker, warmup_runs times.
+absl::Status VisionService::WarmUp() {
   {
     LoadPhaseTimer timer("vision_warmup");
     absl::Status warm;
@@ -630,7 +644,7 @@ absl::Status VisionService::Load() {
         warm = StatusFromException("warm-up", e);
       }
     };
-    for (int run = 0; run < c.warmup_runs; ++run) {
+    for (int run = 0; run < config_.warmup_runs; ++run) {
       if (absl::Status ran = pool_->Run(work, absl::InfiniteFuture(), {}); !ran.ok()) return ran;
       if (!warm.ok()) {
         return absl::Status(warm.code(), absl::StrCat("warm-up forward failed: ", warm.message()));
@@ -639,6 +653,10 @@ absl::Status VisionService::Load() {
     LogInfo(kLog, "warm-up forward done", {{"seconds", timer.Stop()}});
   }
 
+  return absl::OkStatus();
+}
+
+void VisionService::StartPublisher() {
   publisher_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(publisher_mu_);
     while (!publisher_cv_.wait_for(lock, std::chrono::seconds(1), [&] { return stop_publisher_; })) {
@@ -647,6 +665,24 @@ absl::Status VisionService::Load() {
       lock.lock();
     }
   });
+}
+
+absl::Status VisionService::Load() {
+  if (loaded() || model_ != nullptr) return absl::FailedPreconditionError("Load called twice");
+  if (absl::Status s = CheckServiceConfig(config_); !s.ok()) return s;
+  LogInfo(kLog, "loading the vision encoder", {{"config", config_.Describe()}});
+  LoadPhaseTimer config_timer("vision_config");
+  absl::StatusOr<std::string> config_json = ReadFileToString(config_.model_dir + "/config.json");
+  if (!config_json.ok()) return config_json.status();
+  absl::StatusOr<ModelConfig> model_config = ParseModelConfig(*config_json);
+  if (!model_config.ok()) return model_config.status();
+  if (absl::Status s = ReadPreprocessing(model_config->vision); !s.ok()) return s;
+  config_timer.Stop();
+  if (absl::Status s = LoadWeights(*model_config); !s.ok()) return s;
+  if (absl::Status s = ComputeFingerprint(*config_json); !s.ok()) return s;
+  if (absl::Status s = StartCacheAndWorkers(); !s.ok()) return s;
+  if (absl::Status s = WarmUp(); !s.ok()) return s;
+  StartPublisher();
   LogInfo(kLog, "vision encoder ready",
           {{"fingerprint", fingerprint_},
            {"default_min_pixels", static_cast<long long>(default_options_.min_pixels)},

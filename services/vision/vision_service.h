@@ -47,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/cpu_features.h"
+#include "common/model_config.h"
 #include "common/readiness.h"
 #include "services/vision/embedding_cache.h"
 #include "services/vision/image_decoder.h"
@@ -148,6 +149,16 @@ class VisionService final : public v1::VisionEncoder::Service {
   class EncodePool;
   struct Metrics;
 
+  // Load's steps, in order: preprocessing defaults inside the operator's
+  // limits (checked against vision_config), the model, the cache key's
+  // fingerprint, the cache and the encode workers, the warm-up forward, and
+  // the thread publishing cache statistics.
+  absl::Status ReadPreprocessing(const VisionConfig& vision_config);
+  absl::Status LoadWeights(const ModelConfig& model_config);
+  absl::Status ComputeFingerprint(const std::string& config_json);
+  absl::Status StartCacheAndWorkers();
+  absl::Status WarmUp();
+  void StartPublisher();
   absl::StatusOr<PreprocessOptions> EffectiveOptions(int64_t min_pixels, int64_t max_pixels) const;
   // Decode, pixel-key probe, preprocess, ViT; runs on a worker.
   absl::StatusOr<FeaturesPtr> Compute(std::string_view bytes, const PreprocessOptions& options,
