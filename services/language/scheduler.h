@@ -11,8 +11,8 @@
 //      (the engine keeps its sampler and stream position);
 //  (b) running sequences still prefilling, then waiting ones in FIFO order,
 //      contribute prompt chunks until max_batch_tokens is used, while fewer
-//      than max_sequences run. Its longest cached prefix is reused (never the
-//      whole prompt).
+//      than max_sequences run. An admitted sequence reuses its longest cached
+//      prefix (never the whole prompt).
 //
 // Admission reserves room to grow: each sequence has a reservation of
 // BlocksFor(max(prefill_len, max_cache_tokens)) blocks (max_cache_tokens =
