@@ -2,7 +2,8 @@
 // "Benchmark"). Starts the real vlm-language on loopback, once per
 // configuration, and prints a table of medians:
 //
-//   process start -> health SERVING, RSS at SERVING and after the first request,
+//   process start -> health SERVING, RSS at SERVING (next to the weight bytes
+//   of the configuration's form, and the difference) and after the first request,
 //   time to first token for 1 image (448x448: pre-projector features, random
 //   bf16 [784, 1024] x (1 + deepstack), grid (1, 28, 28)) + a 20-word prompt,
 //   prefill tokens/s at 512 prompt tokens, decode tokens/s, and decode time per
@@ -383,6 +384,15 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
   }
   col.Add("start -> SERVING (s)", absl::StrFormat("%.3f", Median(start_s)));
   col.Add("RSS at SERVING (MiB)", absl::StrFormat("%.0f", Median(rss_serving)));
+  {
+    // The KV pool is address space until blocks are used, so at SERVING the
+    // process should hold little beyond its weights (the budget: + 400 MiB).
+    const bool int8 = absl::StrContains(extra, "--weight_dtype=int8");
+    const double weights = DecodeWeightBytes(dir, int8, int8) / 1048576.0;
+    col.Add("weight bytes in this form (MiB)", absl::StrFormat("%.0f", weights));
+    col.Add("RSS at SERVING - weight bytes (MiB)",
+            absl::StrFormat("%.0f", Median(rss_serving) - weights));
+  }
 
   auto stub = server->Stub();
   std::vector<double> ttft_client, ttft_server, projector;

@@ -25,6 +25,10 @@ std::optional<int32_t> BlockPool::Allocate() {
     return std::nullopt;
   }
   blocks_[id].ref = 1;
+  if (!blocks_[id].touched) {
+    blocks_[id].touched = true;
+    ++touched_;
+  }
   return id;
 }
 

@@ -6,7 +6,10 @@
 //   cached     ref 0, keyed           on the LRU list (still reusable by key)
 //   in use     ref >= 1 (keyed or not)
 // Allocate takes a free block, else evicts the least recently released cached
-// block (its key is forgotten). Thread-safety: none (the engine thread owns it).
+// block (its key is forgotten). Free blocks are handed out lowest id first and
+// a released block is reused before any never-used one, so the blocks ever
+// used (num_touched: their storage pages are committed) stay as few as the
+// load allows. Thread-safety: none (the engine thread owns it).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +33,8 @@ class BlockPool {
   int64_t num_free() const { return static_cast<int64_t>(free_.size()); }   // no key, ref 0
   int64_t num_cached() const { return static_cast<int64_t>(lru_.size()); }  // keyed, ref 0
   int64_t num_used() const { return num_blocks() - num_available(); }       // ref >= 1
+  // Blocks handed out at least once since construction.
+  int64_t num_touched() const { return touched_; }
 
   // A block with ref 1 and no key; nullopt when every block is in use.
   std::optional<int32_t> Allocate();
@@ -54,6 +59,7 @@ class BlockPool {
  private:
   struct Block {
     int32_t ref = 0;
+    bool touched = false;  // handed out at least once
     std::optional<BlockKey> key;
     std::list<int32_t>::iterator lru_pos;  // valid while cached
   };
@@ -61,6 +67,7 @@ class BlockPool {
   std::vector<int32_t> free_;                         // stack: lowest ids handed out first
   std::list<int32_t> lru_;                            // cached blocks, least recent first
   absl::flat_hash_map<BlockKey, int32_t, BlockKeyHash> by_key_;
+  int64_t touched_ = 0;
 };
 
 }  // namespace vlm::language

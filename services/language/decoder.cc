@@ -3,7 +3,10 @@
 //   deepstack §5.3) -> final RMSNorm -> LM head (§5.4)
 #include "services/language/decoder.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -666,18 +669,42 @@ absl::StatusOr<KvStorage> Decoder::NewKvStorage(int64_t num_blocks, int64_t bloc
   KvStorage kv;
   kv.num_blocks = num_blocks;
   kv.block_size = block_size;
-  try {
-    // Zero-filled: the budget is committed now, and blocks hold defined values.
-    const auto opts = at::TensorOptions().dtype(ToScalarType(compute_dtype_));
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      kv.k.push_back(at::zeros({num_blocks, c.num_key_value_heads, c.head_dim, block_size}, opts));
-      kv.v.push_back(at::zeros({num_blocks, c.num_key_value_heads, block_size, c.head_dim}, opts));
-    }
-  } catch (const c10::Error& e) {
+  const auto failed = [&](const std::string& why) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "KV storage of ", num_blocks, " blocks x ", block_size, " tokens (",
-        static_cast<uint64_t>(num_blocks) * block_size * kv_bytes_per_token(),
-        " bytes): ", e.what_without_backtrace()));
+        static_cast<uint64_t>(num_blocks) * block_size * kv_bytes_per_token(), " bytes): ", why));
+  };
+  // Anonymous private mappings instead of zero-filled tensors: the kernel
+  // commits a page at its first write and reads an untouched page as zeros,
+  // so the budget costs memory only as blocks come into use (the block pool
+  // hands out low ids first and reuses released blocks before new ones);
+  // MAP_NORESERVE reserves no swap for the untouched rest. Slots of a block
+  // past a sequence's length may hold zeros or an earlier owner's K/V, as
+  // before: attention reads only keys below each query's index (lanes past
+  // them are computed and discarded, never summed).
+  const at::ScalarType dtype = ToScalarType(compute_dtype_);
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const auto lazy = [&](std::vector<int64_t> shape) -> absl::StatusOr<at::Tensor> {
+    size_t bytes = c10::elementSize(dtype);
+    for (int64_t n : shape) bytes *= static_cast<size_t>(n);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return failed(absl::StrCat("mmap: ", std::strerror(errno)));
+    return at::from_blob(p, shape, [bytes](void* q) { munmap(q, bytes); }, opts);
+  };
+  try {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      absl::StatusOr<at::Tensor> k =
+          lazy({num_blocks, c.num_key_value_heads, c.head_dim, block_size});
+      if (!k.ok()) return k.status();
+      kv.k.push_back(*std::move(k));
+      absl::StatusOr<at::Tensor> v =
+          lazy({num_blocks, c.num_key_value_heads, block_size, c.head_dim});
+      if (!v.ok()) return v.status();
+      kv.v.push_back(*std::move(v));
+    }
+  } catch (const c10::Error& e) {
+    return failed(e.what_without_backtrace());
   }
   return kv;
 }

@@ -260,9 +260,10 @@ class Decoder {
   // OUT_OF_RANGE when the sequence is full.
   absl::StatusOr<at::Tensor> DecodeStep(Sequence& seq, int32_t token_id) const;
 
-  // Paged KV storage for `num_blocks` blocks of `block_size` tokens, zero
-  // filled (the memory is committed now). INVALID_ARGUMENT for sizes < 1,
-  // RESOURCE_EXHAUSTED when it cannot be allocated.
+  // Paged KV storage for `num_blocks` blocks of `block_size` tokens, reading
+  // as zeros until written; memory is reserved as address space now and
+  // committed page by page as blocks are first written. INVALID_ARGUMENT for
+  // sizes < 1, RESOURCE_EXHAUSTED when it cannot be mapped.
   absl::StatusOr<KvStorage> NewKvStorage(int64_t num_blocks, int64_t block_size) const;
   // KV bytes one token occupies (all layers, K and V), for sizing a budget.
   uint64_t kv_bytes_per_token() const;

@@ -38,7 +38,9 @@ struct Engine::Metrics {
   prometheus::Histogram* batch_tokens;
   prometheus::Histogram* batch_sequences;
   prometheus::Family<prometheus::Gauge>* kv_blocks;
+  prometheus::Gauge* kv_blocks_reserved;
   prometheus::Gauge* kv_budget_bytes;
+  prometheus::Gauge* kv_committed_bytes;
   prometheus::Counter* prefix_hit_tokens;
   prometheus::Counter* prefix_miss_tokens;
   prometheus::Counter* preemptions;
@@ -76,6 +78,20 @@ struct Engine::Metrics {
                           .Help("KV cache blocks by state: used (referenced), cached "
                                 "(prefix-cache entries not in use), free.")
                           .Register(r);
+      m->kv_blocks_reserved =
+          &prometheus::BuildGauge()
+               .Name("vlm_language_kv_blocks_reserved")
+               .Help("KV blocks running sequences may still grow into (prompt + max_tokens), "
+                     "not yet allocated; a waiting request starts when its own fit next to them.")
+               .Register(r)
+               .Add({});
+      m->kv_committed_bytes =
+          &prometheus::BuildGauge()
+               .Name("vlm_language_kv_cache_committed_bytes")
+               .Help("Bytes of the KV cache's blocks used at least once (memory committed); "
+                     "the rest of the budget is reserved address space.")
+               .Register(r)
+               .Add({});
       m->kv_budget_bytes = &prometheus::BuildGauge()
                                 .Name("vlm_language_kv_cache_budget_bytes")
                                 .Help("Bytes of the paged KV cache (--kv_cache_mb).")
@@ -216,6 +232,7 @@ absl::StatusOr<std::shared_ptr<RequestStream>> Engine::Submit(EngineRequest requ
   const GenerationRequest& gen = r->request.generation;
   r->seq.tokens = gen.prompt_ids;
   r->seq.prompt_len = prompt;
+  if (options_.reserve_max_tokens) r->seq.max_cache_tokens = tokens;
   // Image spans: the runs of image pads, the k-th run belonging to image k.
   const int32_t pad = static_cast<int32_t>(config_.image_token_id);
   for (int64_t i = 0; i < prompt;) {
@@ -278,6 +295,8 @@ void Engine::ReadPool() {
   stats_.blocks_used = pool.num_used();
   stats_.blocks_cached = pool.num_cached();
   stats_.blocks_free = pool.num_free();
+  stats_.blocks_reserved = state_->scheduler.reserved_blocks();
+  stats_.blocks_touched = pool.num_touched();
   stats_.preemptions = state_->preemptions;
   stats_.iterations = state_->iterations;
   stats_.max_batch_sequences = state_->max_batch_sequences;
@@ -290,6 +309,12 @@ void Engine::Publish() {
   metrics_->kv_blocks->Add({{"state", "used"}}).Set(static_cast<double>(stats_.blocks_used));
   metrics_->kv_blocks->Add({{"state", "cached"}}).Set(static_cast<double>(stats_.blocks_cached));
   metrics_->kv_blocks->Add({{"state", "free"}}).Set(static_cast<double>(stats_.blocks_free));
+  metrics_->kv_blocks_reserved->Set(static_cast<double>(stats_.blocks_reserved));
+  if (stats_.blocks_total > 0) {
+    metrics_->kv_committed_bytes->Set(static_cast<double>(options_.kv_budget_bytes) *
+                                      static_cast<double>(stats_.blocks_touched) /
+                                      static_cast<double>(stats_.blocks_total));
+  }
 }
 
 void Engine::Loop() {
@@ -302,7 +327,15 @@ void Engine::Loop() {
       incoming.swap(inbox_);
     }
     for (auto& r : incoming) {
-      state_->scheduler.Add(&r->seq);
+      // Submit refused what the pool cannot hold, so this is a safety net.
+      if (absl::Status s = state_->scheduler.Add(&r->seq); !s.ok()) {
+        Released();
+        EngineEvent e;
+        e.kind = EngineEvent::Kind::kError;
+        e.error = s;
+        r->stream->Push(std::move(e));
+        continue;
+      }
       r->generation =
           std::make_unique<GenerationState>(r->request.generation, tokenizer_, generator_config_);
       state_->active.push_back(std::move(r));

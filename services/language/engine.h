@@ -11,6 +11,9 @@
 // numbers, for one whose prompt + max_tokens cannot fit the KV budget even
 // alone; RESOURCE_EXHAUSTED when max_sequences run and max_queue more are
 // admitted already. Nothing else is affected by a refused request.
+// An admitted request starts running only when the KV blocks for its prompt
+// plus max_tokens fit next to what the running ones may still grow into
+// (reserve_max_tokens; scheduler.h), so running requests are not preempted.
 //
 // Cancellation: RequestStream::Cancel (client gone, deadline) makes the engine
 // drop the request at its next iteration and free its blocks.
@@ -46,7 +49,11 @@ struct EngineOptions {
   int64_t num_blocks = 0;          // KV blocks (from --kv_cache_mb)
   int64_t block_size = 16;         // tokens per KV block
   bool prefix_cache = true;
-  uint64_t kv_budget_bytes = 0;    // for messages and metrics
+  // A request starts only when the blocks for prompt + max_tokens fit next to
+  // the running requests' reservations (no preemption); false: only its
+  // prefill has to fit, and growth preempts the newest running request.
+  bool reserve_max_tokens = true;
+  uint64_t kv_budget_bytes = 0;    // for messages and metrics (num_blocks x bytes per block)
   std::vector<int32_t> eos_ids;
 };
 
@@ -91,6 +98,8 @@ struct EngineStats {
   int running = 0;
   int waiting = 0;  // admitted, not running (queued or preempted)
   int64_t blocks_total = 0, blocks_used = 0, blocks_cached = 0, blocks_free = 0;
+  int64_t blocks_reserved = 0;  // promised to running requests, not yet allocated
+  int64_t blocks_touched = 0;   // handed out at least once: their memory is committed
   int64_t preemptions = 0;
   int64_t iterations = 0;
   int max_batch_sequences = 0;  // most sequences one forward pass has served

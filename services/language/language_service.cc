@@ -327,8 +327,9 @@ absl::Status LanguageService::Load() {
   const uint64_t budget = static_cast<uint64_t>(std::max<int64_t>(0, options_.kv_cache_mb)) << 20;
   int64_t num_blocks = static_cast<int64_t>(budget / (per_token * block_size));
   // Never more than every admitted sequence could hold at once at full
-  // context: the storage is committed at startup, so a small model with the
-  // default budget would otherwise pin memory it can never use.
+  // context. The storage is only reserved at startup (pages are committed as
+  // blocks are first used), but blocks past that bound would only ever hold
+  // prefix-cache entries, growing the process without serving a request.
   const int64_t most = (max_context_ + block_size - 1) / block_size *
                        (std::max(1, options_.max_sequences) + std::max(0, options_.max_queue));
   if (num_blocks > most) {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
+
 namespace vlm::language {
 
 Scheduler::Scheduler(KvCacheManager* kv, SchedulerOptions options)
@@ -10,11 +12,31 @@ Scheduler::Scheduler(KvCacheManager* kv, SchedulerOptions options)
   options_.max_batch_tokens = std::max<int64_t>(1, options_.max_batch_tokens);
 }
 
-void Scheduler::Add(SequenceState* seq) {
+absl::Status Scheduler::Add(SequenceState* seq) {
   seq->prefill_len = seq->prompt_len;
+  const int64_t blocks = ReservedBlocks(*seq);
+  if (blocks > kv_->pool().num_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "sequence ", seq->id, " needs ", blocks, " KV blocks of ", kv_->block_size(),
+        " tokens (", std::max(seq->prefill_len, seq->max_cache_tokens),
+        " cache tokens); the pool has ", kv_->pool().num_blocks()));
+  }
   seq->num_computed = 0;
   seq->running = false;
   waiting_.push_back(seq);
+  return absl::OkStatus();
+}
+
+int64_t Scheduler::ReservedBlocks(const SequenceState& seq) const {
+  return kv_->BlocksFor(std::max(seq.prefill_len, seq.max_cache_tokens));
+}
+
+int64_t Scheduler::reserved_blocks() const {
+  int64_t total = 0;
+  for (const SequenceState* seq : running_) {
+    total += std::max<int64_t>(0, ReservedBlocks(*seq) - static_cast<int64_t>(seq->kv.table.size()));
+  }
+  return total;
 }
 
 void Scheduler::Preempt(SequenceState* victim, SchedulerOutput& out) {
@@ -71,21 +93,22 @@ SchedulerOutput Scheduler::Schedule() {
     out.prefill_tokens += n;
     budget -= n;
   }
-  // (b) then waiting sequences, FIFO, while the batch and the pool allow.
+  // (b) then waiting sequences, FIFO, while the batch and the reservations allow.
+  int64_t promised = waiting_.empty() ? 0 : reserved_blocks();
   while (budget > 0 && !waiting_.empty() && out.preempted.empty() &&
          static_cast<int>(running_.size()) < options_.max_sequences) {
     SequenceState* seq = waiting_.front();
     const int64_t matched =
         kv_->AcquirePrefix(seq->kv, seq->tokens, seq->images, seq->prefill_len - 1);
-    const int64_t rest_blocks = kv_->BlocksFor(seq->prefill_len) -
-                                static_cast<int64_t>(seq->kv.table.size());
-    if (rest_blocks > kv_->pool().num_available()) {
-      kv_->Free(seq->kv);  // wait until running sequences release blocks
+    const int64_t need = ReservedBlocks(*seq) - static_cast<int64_t>(seq->kv.table.size());
+    if (need + promised > kv_->pool().num_available()) {
+      kv_->Free(seq->kv);  // wait until running sequences finish and free their room
       break;
     }
     seq->num_computed = matched;
     const int64_t n = std::min(seq->prefill_len - matched, budget);
     kv_->Grow(seq->kv, matched + n);  // cannot fail: checked above
+    promised += ReservedBlocks(*seq) - static_cast<int64_t>(seq->kv.table.size());
     waiting_.pop_front();
     seq->running = true;
     running_.push_back(seq);

@@ -11,12 +11,29 @@
 //      (the engine keeps its sampler and stream position);
 //  (b) running sequences still prefilling, then waiting ones in FIFO order,
 //      contribute prompt chunks until max_batch_tokens is used, while fewer
-//      than max_sequences run. A waiting sequence is admitted only when the
-//      pool can hold the rest of its prefill; its longest cached prefix is
-//      reused (never the whole prompt).
+//      than max_sequences run. An admitted sequence reuses its longest cached
+//      prefix (never the whole prompt).
+//
+// Admission reserves room to grow: each sequence has a reservation of
+// BlocksFor(max(prefill_len, max_cache_tokens)) blocks (max_cache_tokens =
+// prompt + max_tokens - 1, the most its cache can hold). The blocks a running
+// sequence has not allocated yet (reservation - blocks held) are its
+// outstanding need, and the waiting sequence at the head of the queue is
+// admitted only when its own outstanding need (after taking its cached
+// prefix) plus every running sequence's fits in the blocks Allocate can
+// supply (free + unreferenced cached). Growth within a reservation then
+// always finds a block (allocating lowers the need and the supply alike;
+// finishing, cancelling and preempting free both), so sequences that all
+// declare max_cache_tokens are never preempted. The price: a request asking
+// for many tokens holds room it may not use, and later requests wait (FIFO,
+// so a large one is never starved by small ones behind it).
+// Preemption stays as the fallback for growth beyond a reservation (a
+// sequence without max_cache_tokens reserves only its prefill) and is
+// reported in SchedulerOutput::preempted.
 // A sequence whose prompt + max_tokens fits the pool alone always makes
 // progress: growth preempts newer sequences first, and the oldest one never
-// waits for a younger one.
+// waits for a younger one. One whose reservation exceeds the whole pool is
+// refused by Add.
 //
 // Thread-safety: none (the engine thread owns it). Sequences are owned by the
 // caller and must stay alive until Remove.
@@ -26,6 +43,7 @@
 #include <deque>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "services/language/kv_cache_manager.h"
 
 namespace vlm::language {
@@ -39,6 +57,10 @@ struct SequenceState {
   // preemption everything known then (recomputed); later tokens are decode rows.
   int64_t prefill_len = 0;
   int64_t num_computed = 0;       // tokens whose K/V is in the cache
+  // Cache indices the sequence can reach, prompt + max_tokens - 1 (the last
+  // sampled token is never cached): its admission reserves blocks for them.
+  // 0: no growth is reserved, only the prefill.
+  int64_t max_cache_tokens = 0;
   std::vector<KeyedImageSpan> images;  // image-pad runs of the prompt, in order
   KvBlocks kv;
   bool running = false;
@@ -78,8 +100,9 @@ class Scheduler {
   Scheduler(KvCacheManager* kv, SchedulerOptions options);
 
   // Appends a new sequence (tokens = prompt, prefill_len = prompt_len) to the
-  // waiting queue.
-  void Add(SequenceState* seq);
+  // waiting queue. RESOURCE_EXHAUSTED, queueing nothing, when its reservation
+  // needs more blocks than the pool has (it could never run).
+  absl::Status Add(SequenceState* seq);
   SchedulerOutput Schedule();
   // After the forward pass of `out`: the chunks' tokens are in the cache
   // (full blocks are registered in the prefix cache).
@@ -91,6 +114,10 @@ class Scheduler {
 
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  // Blocks of a sequence's reservation (see the admission rule above).
+  int64_t ReservedBlocks(const SequenceState& seq) const;
+  // The running sequences' outstanding needs: blocks promised, not yet allocated.
+  int64_t reserved_blocks() const;
   const KvCacheManager& kv() const { return *kv_; }
 
  private:

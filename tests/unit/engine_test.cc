@@ -2,7 +2,8 @@
 // and logprobs, seeded sampling) with sequences joining and leaving mid-way,
 // prefix-cache hits equal to cold runs (text history, one image, two images,
 // a hit ending mid-image, an image at another position, other features under
-// the same tokens), preemption under a small KV cache, admission limits and
+// the same tokens), preemption under a small KV cache, admission reservations
+// (no preemption), blocks touched only as used, admission limits and
 // cancellation. Each runs on a fake runner (scheduling and KV bookkeeping;
 // see fake_model_runner.h) and, where the decoder's batched forward exists,
 // on the real tiny checkpoint in float32.
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
@@ -376,6 +378,7 @@ TEST_F(EngineTest, SmallCachePreemptsTheNewestAndEveryStreamStaysContinuous) {
   }
   auto make = [] {
     EngineOptions o = Options(/*num_blocks=*/24, /*block_size=*/4, /*prefix=*/false);
+    o.reserve_max_tokens = false;  // admit on the prefill alone, so growth must preempt
     return Fake(o, 1);
   };
   std::vector<Outcome> alone;
@@ -394,6 +397,59 @@ TEST_F(EngineTest, SmallCachePreemptsTheNewestAndEveryStreamStaysContinuous) {
   EXPECT_GT(stats.preemptions, 0);
   EXPECT_EQ(stats.blocks_used, 0);
   EXPECT_EQ(stats.blocks_free, 24);
+}
+
+TEST_F(EngineTest, ReservationsRunWhatFitsToMaxTokensAndNeverPreempt) {
+  // prompt 20..25 + max_tokens 30 - 1: 13 or 14 blocks of 4 each. In 28
+  // blocks any two fit, never three.
+  std::vector<EngineRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    EngineRequest r = Request(30, i % 2 ? 0.8f : 0.0f, 50 + i);
+    AddText(&r, Text(30 + i, 20 + i));
+    requests.push_back(std::move(r));
+  }
+  auto make = [](bool reserve) {
+    EngineOptions o = Options(/*num_blocks=*/28, /*block_size=*/4, /*prefix=*/false);
+    o.reserve_max_tokens = reserve;
+    return Fake(o, 1);
+  };
+  std::vector<Outcome> alone;
+  for (const EngineRequest& r : requests) alone.push_back(make(true).Run(r));
+  for (bool reserve : {true, false}) {
+    Harness h = make(reserve);
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    for (const EngineRequest& r : requests) {
+      auto s = h.engine->Submit(r);
+      ASSERT_TRUE(s.ok()) << s.status();
+      streams.push_back(*s);
+    }
+    for (size_t i = 0; i < streams.size(); ++i) {
+      ExpectSame(Collect(*streams[i]), alone[i],
+                 absl::StrCat(reserve ? "reserved" : "unreserved", " request ", i));
+    }
+    const EngineStats stats = h.engine->Stats();
+    if (reserve) {
+      EXPECT_EQ(stats.preemptions, 0);
+      EXPECT_EQ(stats.max_batch_sequences, 2) << "two reservations fit, three do not";
+    } else {
+      EXPECT_GT(stats.preemptions, 0) << "the same workload admitted on its prompts alone";
+    }
+    EXPECT_EQ(stats.blocks_reserved, 0);
+    EXPECT_EQ(stats.blocks_used, 0);
+    EXPECT_EQ(stats.blocks_free, 28);
+  }
+}
+
+TEST_F(EngineTest, OnlyBlocksInUseAreTouchedAndReleasedOnesAreReusedFirst) {
+  Harness h = Fake(Options(/*num_blocks=*/256, /*block_size=*/4, /*prefix=*/false));
+  EXPECT_EQ(h.engine->Stats().blocks_touched, 0);
+  for (int i = 0; i < 3; ++i) {
+    EngineRequest r = Request(6);
+    AddText(&r, Text(60 + i, 10));  // 10 + 6 - 1 = 15 cache tokens: 4 blocks
+    Outcome o = h.Run(r);
+    ASSERT_TRUE(o.status.ok()) << o.status;
+    EXPECT_EQ(h.engine->Stats().blocks_touched, 4) << "run " << i;
+  }
 }
 
 TEST_F(EngineTest, RequestThatCannotFitTheCacheAloneIsRefusedNamingKvCacheMb) {
