@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -282,11 +283,11 @@ TEST(GrammarMatcherTest, CacheSharesCompiledGrammars) {
   EXPECT_EQ(cache.hits(), 1);
   auto bad = cache.Get(GrammarKind::kJsonSchema, R"({"type":"integer","not":{}})");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  auto r = cache.Get(GrammarKind::kRegex, R"({"type":"integer"})");  // same text, other kind
-  ASSERT_TRUE(r.ok());
-  EXPECT_NE(r->get(), a->get());
-  auto j = cache.Get(GrammarKind::kJsonObject, "");
-  ASSERT_TRUE(j.ok());
+  auto schema_true = cache.Get(GrammarKind::kJsonSchema, "true");
+  auto regex_true = cache.Get(GrammarKind::kRegex, "true");  // same text, other kind
+  ASSERT_TRUE(schema_true.ok() && regex_true.ok());
+  EXPECT_NE(schema_true->get(), regex_true->get());
+  EXPECT_EQ((*regex_true)->grammar().MinOutputBytes(), 4);
   EXPECT_EQ(cache.size(), 2u);  // capacity 2: the integer schema was evicted
   auto again = cache.Get(GrammarKind::kJsonSchema, R"({"type":"integer"})");
   ASSERT_TRUE(again.ok());
@@ -300,7 +301,9 @@ TEST(GrammarMatcherTest, RegexAndJsonModeMasksMatchBruteForce) {
     auto cg = std::make_shared<CompiledGrammar>(*g, SyntheticVocab());
     for (uint32_t seed = 0; seed < 3; ++seed) {
       Walk w = RandomWalk(cg, seed, 200, 1, pattern);
-      if (w.terminated) EXPECT_TRUE(std::regex_match(w.text, std::regex(pattern))) << pattern << ": " << w.text;
+      if (w.terminated) {
+        EXPECT_TRUE(std::regex_match(w.text, std::regex(pattern))) << pattern << ": " << w.text;
+      }
     }
   }
   for (bool object_only : {false, true}) {
@@ -312,7 +315,9 @@ TEST(GrammarMatcherTest, RegexAndJsonModeMasksMatchBruteForce) {
       if (!w.terminated) continue;
       json v = json::parse(w.text, nullptr, false);
       EXPECT_FALSE(v.is_discarded()) << w.text;
-      if (object_only) EXPECT_TRUE(v.is_object()) << w.text;
+      if (object_only) {
+        EXPECT_TRUE(v.is_object()) << w.text;
+      }
     }
   }
 }
@@ -356,7 +361,9 @@ TEST(GrammarMatcherTest, QwenTokensCrossJsonBoundaries) {
       EXPECT_TRUE(Bit(mask, id)) << t;
       ++crossing;
     }
-    if (t == "\"}" || t == "\":") EXPECT_FALSE(Bit(mask, id)) << t;
+    if (t == "\"}" || t == "\":") {
+      EXPECT_FALSE(Bit(mask, id)) << t;
+    }
   }
   EXPECT_GE(crossing, 2);
 }
