@@ -544,7 +544,8 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
       pq.emplace(0, 0);
       int64_t best = kInf;
       while (!pq.empty()) {
-        auto [d0, s] = pq.top();
+        const int64_t d0 = pq.top().first;
+        const int32_t s = pq.top().second;
         pq.pop();
         if (d0 != dist[s]) continue;
         if (dfa_[r][s].final) best = std::min(best, d0);
