@@ -43,6 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   format.limits.max_expr_nodes = 20000;
   format.limits.max_nfa_states = 50000;
   format.limits.max_dfa_states = 2000;
+  format.limits.max_compile_ms = 1000;
   absl::StatusOr<std::shared_ptr<const Grammar>> g =
       schema ? CompileJsonSchema(text, format) : CompileRegex(text, format.limits);
   if (!g.ok()) return 0;

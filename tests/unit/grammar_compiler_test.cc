@@ -278,6 +278,11 @@ TEST(GrammarCompilerTest, ErrorsNameTheReason) {
   s = SchemaError(R"({"type":"string","maxLength":500})", small);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_NE(s.message().find("too large"), std::string::npos) << s;
+  JsonFormat quick;
+  quick.limits.max_compile_ms = 0;
+  s = SchemaError(R"({"type":"string","maxLength":500})", quick);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("ms"), std::string::npos) << s;
   EXPECT_EQ(SchemaError(std::string(300, '[') + std::string(300, ']')).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CompileRegex("a(?=b)").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CompileRegex("(ab").status().code(), absl::StatusCode::kInvalidArgument);

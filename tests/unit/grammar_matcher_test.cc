@@ -5,6 +5,7 @@
 // that cannot). Random walks over allowed tokens must end in JSON that an
 // independent validator accepts, within a bound for bounded schemas.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <random>
 #include <regex>
@@ -272,6 +273,15 @@ TEST(GrammarMatcherTest, StopTokenRollbackAndTermination) {
   ASSERT_TRUE(m.Rollback(1));
   EXPECT_FALSE(m.IsTerminated());
   EXPECT_TRUE(m.CanEnd());
+}
+
+TEST(GrammarMatcherTest, MaskLogitsKeepsOnlyAllowedIds) {
+  std::vector<uint32_t> mask = {0b1010u, 1u};  // ids 1, 3 and 32
+  std::vector<float> logits(40, 2.0f);
+  MaskLogits(mask.data(), 33, logits.data(), 40);
+  for (int i = 0; i < 40; ++i) {
+    EXPECT_EQ(std::isinf(logits[i]), !(i == 1 || i == 3 || i == 32)) << i;
+  }
 }
 
 TEST(GrammarMatcherTest, CacheSharesCompiledGrammars) {

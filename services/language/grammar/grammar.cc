@@ -1,6 +1,7 @@
 #include "services/language/grammar/grammar.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <map>
 #include <queue>
@@ -103,7 +104,10 @@ void GrammarBuilder::SetRuleBody(RuleId rule, ExprId body) { rules_[rule].body =
 // One Build() call: NFA per rule, subset construction, pruning, packing.
 class GrammarCompilation {
  public:
-  GrammarCompilation(const GrammarBuilder& b) : b_(b) {}
+  explicit GrammarCompilation(const GrammarBuilder& b)
+      : b_(b),
+        deadline_(std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(b.limits_.max_compile_ms)) {}
 
   absl::StatusOr<std::shared_ptr<const Grammar>> Run(GrammarBuilder::RuleId root);
 
@@ -138,6 +142,7 @@ class GrammarCompilation {
   std::vector<NState> nfa_;
   std::vector<std::vector<DState>> dfa_;  // per rule; state 0 is the start
   int64_t total_dfa_states_ = 0;
+  std::chrono::steady_clock::time_point deadline_;
   int32_t rule_end_ = -1;  // NFA end state of the rule being determinized
   std::vector<uint8_t> seen_;
 };
@@ -273,6 +278,10 @@ absl::Status GrammarCompilation::Determinize(int rule, int32_t nfa_start, int32_
     out.emplace_back();
   }
   for (size_t i = 0; i < sets.size(); ++i) {
+    if (i % 64 == 63 && std::chrono::steady_clock::now() > deadline_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "grammar too large: compilation took more than ", b_.limits_.max_compile_ms, " ms"));
+    }
     const std::vector<int32_t> members = sets[i];
     DState& d = out[i];
     std::fill(std::begin(d.next), std::end(d.next), -1);

@@ -27,12 +27,14 @@ namespace vlm::grammar {
 
 using ByteSet = std::bitset<256>;
 
-// Size limits of one compilation; exceeding one gives RESOURCE_EXHAUSTED
-// naming the limit ("too large"), never unbounded memory or time.
+// Size and time limits of one compilation; exceeding one gives
+// RESOURCE_EXHAUSTED naming the limit ("grammar too large"), never unbounded
+// memory or time.
 struct GrammarLimits {
   int64_t max_expr_nodes = 400000;
   int64_t max_nfa_states = 1000000;
   int64_t max_dfa_states = 100000;
+  int64_t max_compile_ms = 5000;  // automaton construction (Build)
 };
 
 class Grammar;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace vlm::grammar {
 namespace {
@@ -272,6 +273,13 @@ void Matcher::FillMask(uint32_t* mask) {
   }
   if (CanEnd()) {
     for (int32_t id : v.stop_tokens()) SetBit(mask, id);
+  }
+}
+
+void MaskLogits(const uint32_t* mask, int32_t mask_ids, float* logits, int32_t n) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int32_t i = 0; i < n; ++i) {
+    if (i >= mask_ids || !((mask[i >> 5] >> (i & 31)) & 1u)) logits[i] = neg_inf;
   }
 }
 

@@ -112,4 +112,9 @@ class Matcher {
   std::vector<uint32_t> tmp_mask_;
 };
 
+// Sets logits[i] to -infinity for every id i < n whose bit in `mask` is 0
+// (ids at or beyond mask_ids count as disallowed): the sampler then draws only
+// allowed tokens, under any temperature / top-k / top-p.
+void MaskLogits(const uint32_t* mask, int32_t mask_ids, float* logits, int32_t n);
+
 }  // namespace vlm::grammar
