@@ -95,6 +95,9 @@ int main(int argc, char** argv) {
         "children":{"type":"array","items":{"$ref":"#/$defs/node"}}},"required":["name","children"]}},
         "$ref":"#/$defs/node"})"},
       {"json_object mode", Kind::kJsonObject, ""},
+      {"4 strings maxLength 64", Kind::kSchema,
+       R"({"type":"object","properties":{"a":{"type":"string","maxLength":64},"b":{"type":"string","maxLength":64},
+        "c":{"type":"string","maxLength":64},"d":{"type":"string","maxLength":64}},"required":["a","b","c","d"]})"},
       {"regex (phone)", Kind::kRegex, R"(\+?[0-9]{1,3}[ -]?\(?[0-9]{3}\)?[ -]?[0-9]{3}-[0-9]{4})"},
   };
 

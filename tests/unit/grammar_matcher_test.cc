@@ -275,6 +275,33 @@ TEST(GrammarMatcherTest, StopTokenRollbackAndTermination) {
   EXPECT_TRUE(m.CanEnd());
 }
 
+TEST(GrammarVocabularyTest, ByteLevelDecodeInvertsGpt2Mapping) {
+  EXPECT_EQ(*ByteLevelDecode("\xc4\xa0hello"), " hello");  // "Ġhello"
+  EXPECT_EQ(*ByteLevelDecode("\xc4\x8a"), "\n");          // "Ċ"
+  EXPECT_EQ(*ByteLevelDecode("\xc3\xa9"), "\xe9");        // 'é' stands for byte 0xE9
+  EXPECT_FALSE(ByteLevelDecode(" ").ok());                  // a raw space is not in the mapping
+  EXPECT_FALSE(ByteLevelDecode("\xe4\xb8\x80").ok());
+}
+
+TEST(GrammarVocabularyTest, TrieSpellsEveryTokenOnce) {
+  auto v = *Vocabulary::Create({"", "ab", "a", "abc", "b", "ab", "", std::string("\xff\x00", 2)}, {0});
+  std::vector<std::string> path(v->max_token_bytes() + 1);
+  std::vector<int> seen(v->size(), 0);
+  for (int32_t node = 1; node < v->trie_size(); ++node) {
+    const int32_t d = v->trie_depth(node);
+    path[d] = path[d - 1] + static_cast<char>(v->trie_byte(node));
+    EXPECT_GT(v->trie_end(node), node);
+    for (int32_t k = v->trie_token_begin(node); k < v->trie_token_begin(node + 1); ++k) {
+      const int32_t id = v->trie_tokens()[k];
+      EXPECT_EQ(path[d], v->token(id));
+      ++seen[id];
+    }
+  }
+  EXPECT_EQ(seen, (std::vector<int>{0, 1, 1, 1, 1, 1, 0, 1}));  // stop and empty ids are not in the trie
+  EXPECT_EQ(v->trie_size(), 1 + 3 + 1 + 2);                    // root, a-b-c, b, ff-00
+  EXPECT_FALSE(Vocabulary::Create({"a"}, {5}).ok());
+}
+
 TEST(GrammarMatcherTest, MaskLogitsKeepsOnlyAllowedIds) {
   std::vector<uint32_t> mask = {0b1010u, 1u};  // ids 1, 3 and 32
   std::vector<float> logits(40, 2.0f);
