@@ -145,6 +145,7 @@ class GrammarCompilation {
   std::chrono::steady_clock::time_point deadline_;
   int32_t rule_end_ = -1;  // NFA end state of the rule being determinized
   std::vector<uint8_t> seen_;
+  std::vector<std::vector<int32_t>> per_byte_ = std::vector<std::vector<int32_t>>(256);
 };
 
 absl::StatusOr<GrammarCompilation::Frag> GrammarCompilation::BuildNfa(GrammarBuilder::ExprId id,
@@ -286,32 +287,37 @@ absl::Status GrammarCompilation::Determinize(int rule, int32_t nfa_start, int32_
     DState& d = out[i];
     std::fill(std::begin(d.next), std::end(d.next), -1);
     d.final = std::binary_search(members.begin(), members.end(), nfa_end);
-    // Byte transitions: the target set of each byte; runs of bytes with the
-    // same target set are interned once.
-    std::vector<std::vector<int32_t>> per_byte(256);
+    // Byte transitions: the target set of each byte; a byte whose set equals
+    // the previous byte's reuses its target (classes are mostly runs).
+    for (auto& v : per_byte_) v.clear();
     for (int32_t s : members) {
       for (const auto& [set, t] : nfa_[s].bytes) {
-        for (int b = 0; b < 256; ++b) {
-          if (set.test(b)) per_byte[b].push_back(t);
-        }
+        for (size_t b = set._Find_first(); b < 256; b = set._Find_next(b)) per_byte_[b].push_back(t);
       }
     }
     std::map<std::vector<int32_t>, int32_t> local;
+    int32_t prev_target = -1;
     for (int b = 0; b < 256; ++b) {
-      if (per_byte[b].empty()) continue;
-      std::sort(per_byte[b].begin(), per_byte[b].end());
-      per_byte[b].erase(std::unique(per_byte[b].begin(), per_byte[b].end()), per_byte[b].end());
-      auto it = local.find(per_byte[b]);
+      std::vector<int32_t>& targets = per_byte_[b];
+      if (targets.empty()) {
+        prev_target = -1;
+        continue;
+      }
+      std::sort(targets.begin(), targets.end());
+      targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
       int32_t target;
-      if (it != local.end()) {
+      if (b > 0 && prev_target >= 0 && targets == per_byte_[b - 1]) {
+        target = prev_target;
+      } else if (auto it = local.find(targets); it != local.end()) {
         target = it->second;
       } else {
-        absl::StatusOr<int32_t> t = intern(per_byte[b]);
+        absl::StatusOr<int32_t> t = intern(targets);
         if (!t.ok()) return t.status();
         target = *t;
-        local.emplace(per_byte[b], target);
+        local.emplace(targets, target);
       }
       out[i].next[b] = target;  // `out` may have grown: index again
+      prev_target = target;
     }
     std::map<int32_t, std::vector<int32_t>> per_rule;
     for (int32_t s : members) {
@@ -500,10 +506,10 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
     int num = 1;
     for (int r = 0; r < num_rules && num < 256; ++r) {
       for (const DState& d : dfa_[r]) {
-        std::map<std::pair<int32_t, int32_t>, int32_t> remap;
+        absl::flat_hash_map<uint64_t, int32_t> remap;
         std::vector<int32_t> next_cls(256);
         for (int b = 0; b < 256; ++b) {
-          auto key = std::make_pair(cls[b], d.next[b]);
+          const uint64_t key = (static_cast<uint64_t>(cls[b]) << 32) | static_cast<uint32_t>(d.next[b] + 1);
           auto it = remap.find(key);
           if (it == remap.end()) it = remap.emplace(key, static_cast<int32_t>(remap.size())).first;
           next_cls[b] = it->second;
