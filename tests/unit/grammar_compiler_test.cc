@@ -121,6 +121,9 @@ TEST(GrammarCompilerTest, AdditionalPropertiesNeverRepeatAListedKey) {
   EXPECT_TRUE(any.Matches("{}"));
   EXPECT_FALSE(any.Matches(R"({"a":1,"a":2})"));
   EXPECT_FALSE(any.Matches(R"({"b":1,"a":2})"));  // listed properties come first
+  Lang bare = Schema(R"({"type":"object"})");
+  EXPECT_TRUE(bare.Matches(R"({"x":[1],"y":{"z":null}})"));
+  EXPECT_TRUE(bare.Matches("{}"));
   Lang typed = Schema(R"({"type":"object","additionalProperties":{"type":"integer"},"required":["n"]})");
   EXPECT_TRUE(typed.Matches(R"({"n":1,"x":2})"));
   EXPECT_FALSE(typed.Matches(R"({"n":1,"x":"s"})"));

@@ -467,6 +467,10 @@ class SchemaTranslator {
         return Error(pointer, "additionalProperties must be a boolean or a schema");
       }
     }
+    // With no properties listed, an absent additionalProperties means any
+    // members ({"type":"object"} is any object); with properties listed it
+    // means none beyond them.
+    if (!s.contains("additionalProperties") && !s.contains("properties")) additional = &kTrue;
     for (const std::string& r : required) {
       bool listed = false;
       for (const auto& p : props) listed |= p.first == r;

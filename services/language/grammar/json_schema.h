@@ -9,8 +9,9 @@
 // string lengths, array sizes and recursion.
 //
 // Supported keywords: type (incl. type lists), properties, required,
-// additionalProperties (false / true / schema; when absent no extra
-// properties are produced, as in OpenAI strict mode), enum, const, anyOf,
+// additionalProperties (false / true / schema; when absent and properties
+// are listed no extra properties are produced, as in OpenAI strict mode;
+// when absent without properties, any members), enum, const, anyOf,
 // oneOf (generated like anyOf: exclusivity is not enforced), allOf with one
 // member, items, minItems, maxItems, minLength, maxLength, pattern (anchored
 // at both ends), format (date, time, date-time, email, uuid, ipv4, hostname:
