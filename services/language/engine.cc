@@ -465,114 +465,33 @@ absl::Status Engine::BuildChunk(Request* r, int64_t start, int64_t count,
 void Engine::Iterate() {
   State& st = *state_;
   const Clock::time_point begin = Clock::now();
-  auto sweep = [&] {
-    st.active.erase(std::remove_if(st.active.begin(), st.active.end(),
-                                   [](const std::unique_ptr<Request>& r) { return r->done; }),
-                    st.active.end());
-  };
   for (auto& r : st.active) {
     if (r->stream->cancelled()) Finish(r.get(), FinishReason::kCancelled, "cancelled");
   }
-  sweep();
+  SweepFinished();
 
   SchedulerOutput out = st.scheduler.Schedule();
   st.preemptions += static_cast<int64_t>(out.preempted.size());
   if (!out.preempted.empty()) metrics_->preemptions->Increment(out.preempted.size());
   metrics_->prefix_hit_tokens->Increment(static_cast<double>(out.prefix_hit_tokens));
   metrics_->prefix_miss_tokens->Increment(static_cast<double>(out.prefix_miss_tokens));
-
-  auto owner = [&](SequenceState* seq) {
-    for (auto& r : st.active) {
-      if (&r->seq == seq) return r.get();
-    }
-    return static_cast<Request*>(nullptr);
-  };
   for (SequenceState* seq : out.preempted) {
-    Request* r = owner(seq);
-    for (auto& p : r->projected) p.reset();
+    for (auto& p : Owner(seq)->projected) p.reset();
   }
 
   if (!out.chunks.empty()) {
-    std::vector<SequenceChunk> chunks;
-    std::vector<Request*> owners;
-    SchedulerOutput ran;
-    for (const ScheduledChunk& c : out.chunks) {
-      Request* r = owner(c.seq);
-      if (r->scheduled == Clock::time_point{}) r->scheduled = Clock::now();
-      SequenceChunk chunk;
-      chunk.decode = c.decode;
-      chunk.logits = c.logits;
-      if (absl::Status s = BuildChunk(r, c.start, c.count, &chunk); !s.ok()) {
-        Fail(r, s);
-        continue;
-      }
-      chunks.push_back(std::move(chunk));
-      owners.push_back(r);
-      ran.chunks.push_back(c);
-    }
-    absl::StatusOr<at::Tensor> logits =
-        chunks.empty() ? absl::StatusOr<at::Tensor>(at::Tensor()) : runner_->Forward(chunks);
-    if (!logits.ok()) {
-      for (Request* r : owners) Fail(r, logits.status());
-    } else {
-      st.scheduler.Complete(ran);
-      at::Tensor all;
-      if (logits->defined()) all = logits->to(at::kFloat).contiguous();
-      // Sampling, logprobs and detokenizing touch only their own request's
-      // state, so the sequences' steps run side by side on the kernels' pool
-      // (a full-vocabulary log-softmax per sequence is serial work the pool's
-      // other thread would otherwise spin through); the results are the same.
-      std::vector<size_t> sampled;  // indices into ran.chunks, one logits row each
-      for (size_t i = 0; i < ran.chunks.size(); ++i) {
-        if (ran.chunks[i].logits) sampled.push_back(i);
-      }
-      std::vector<absl::StatusOr<GenerationState::Step>> steps(
-          sampled.size(), absl::UnknownError("not sampled"));
-      if (!sampled.empty()) {
-        const int64_t width = all.size(-1);
-        kernels::ParallelFor(static_cast<int64_t>(sampled.size()), 0, 1,
-                             [&](int64_t begin, int64_t end) {
-                               for (int64_t j = begin; j < end; ++j) {
-                                 const float* data = all.data_ptr<float>() + j * width;
-                                 steps[j] = owners[sampled[j]]->generation->Next(
-                                     absl::Span<const float>(data, width));
-                               }
-                             });
-      }
-      for (size_t j = 0; j < sampled.size(); ++j) {
-        Request* r = owners[sampled[j]];
-        absl::StatusOr<GenerationState::Step>& step = steps[j];
-        if (!step.ok()) {
-          Fail(r, step.status());
-          continue;
-        }
-        st.scheduler.Append(&r->seq, r->generation->last_token());
-        if (r->generation->completion_tokens() == 1) r->first_token = Clock::now();
-        EngineEvent e;
-        e.kind = EngineEvent::Kind::kChunk;
-        e.chunk = std::move(step->chunk);
-        r->stream->Push(std::move(e));
-        if (step->finished) Finish(r, FinishReason::kStop, "");
-      }
-      // The cache holds what the images contributed once the prompt is in.
-      for (Request* r : owners) {
-        if (!r->done && r->seq.num_computed >= r->seq.prompt_len) {
-          for (auto& p : r->projected) p.reset();
-        }
-      }
-    }
+    const size_t ran = RunPass(out);
     const double seconds = std::chrono::duration<double>(Clock::now() - begin).count();
     const char* phase = out.prefill_tokens == 0  ? "decode"
                         : out.decode_tokens == 0 ? "prefill"
                                                  : "mixed";
     metrics_->iteration->Add({{"phase", phase}}, DefaultLatencyBuckets()).Observe(seconds);
     metrics_->batch_tokens->Observe(static_cast<double>(out.prefill_tokens + out.decode_tokens));
-    metrics_->batch_sequences->Observe(static_cast<double>(ran.chunks.size()));
+    metrics_->batch_sequences->Observe(static_cast<double>(ran));
     ++st.iterations;
-    st.max_batch_sequences =
-        std::max(st.max_batch_sequences, static_cast<int>(ran.chunks.size()));
+    st.max_batch_sequences = std::max(st.max_batch_sequences, static_cast<int>(ran));
   }
-  sweep();
+  SweepFinished();
   {
     absl::MutexLock lock(&mu_);
     stats_.running = st.scheduler.num_running();
@@ -583,6 +502,98 @@ void Engine::Iterate() {
     // Nothing could run (every admitted request is cancelled or waits for
     // blocks held by requests that finish on their own): do not spin.
     absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+void Engine::SweepFinished() {
+  std::vector<std::unique_ptr<Request>>& active = state_->active;
+  active.erase(std::remove_if(active.begin(), active.end(),
+                              [](const std::unique_ptr<Request>& r) { return r->done; }),
+               active.end());
+}
+
+Engine::Request* Engine::Owner(const SequenceState* seq) const {
+  for (auto& r : state_->active) {
+    if (&r->seq == seq) return r.get();
+  }
+  return nullptr;
+}
+
+size_t Engine::RunPass(const SchedulerOutput& out) {
+  State& st = *state_;
+  std::vector<SequenceChunk> chunks;
+  std::vector<Request*> owners;
+  SchedulerOutput ran;
+  for (const ScheduledChunk& c : out.chunks) {
+    Request* r = Owner(c.seq);
+    if (r->scheduled == Clock::time_point{}) r->scheduled = Clock::now();
+    SequenceChunk chunk;
+    chunk.decode = c.decode;
+    chunk.logits = c.logits;
+    if (absl::Status s = BuildChunk(r, c.start, c.count, &chunk); !s.ok()) {
+      Fail(r, s);
+      continue;
+    }
+    chunks.push_back(std::move(chunk));
+    owners.push_back(r);
+    ran.chunks.push_back(c);
+  }
+  absl::StatusOr<at::Tensor> logits =
+      chunks.empty() ? absl::StatusOr<at::Tensor>(at::Tensor()) : runner_->Forward(chunks);
+  if (!logits.ok()) {
+    for (Request* r : owners) Fail(r, logits.status());
+    return ran.chunks.size();
+  }
+  st.scheduler.Complete(ran);
+  SampleAndStream(ran, owners, *logits);
+  // The cache holds what the images contributed once the prompt is in.
+  for (Request* r : owners) {
+    if (!r->done && r->seq.num_computed >= r->seq.prompt_len) {
+      for (auto& p : r->projected) p.reset();
+    }
+  }
+  return ran.chunks.size();
+}
+
+void Engine::SampleAndStream(const SchedulerOutput& ran, const std::vector<Request*>& owners,
+                             const at::Tensor& logits) {
+  at::Tensor all;
+  if (logits.defined()) all = logits.to(at::kFloat).contiguous();
+  // Sampling, logprobs and detokenizing touch only their own request's
+  // state, so the sequences' steps run side by side on the kernels' pool
+  // (a full-vocabulary log-softmax per sequence is serial work the pool's
+  // other thread would otherwise spin through); the results are the same.
+  std::vector<size_t> sampled;  // indices into ran.chunks, one logits row each
+  for (size_t i = 0; i < ran.chunks.size(); ++i) {
+    if (ran.chunks[i].logits) sampled.push_back(i);
+  }
+  std::vector<absl::StatusOr<GenerationState::Step>> steps(sampled.size(),
+                                                           absl::UnknownError("not sampled"));
+  if (!sampled.empty()) {
+    const int64_t width = all.size(-1);
+    kernels::ParallelFor(static_cast<int64_t>(sampled.size()), 0, 1,
+                         [&](int64_t begin, int64_t end) {
+                           for (int64_t j = begin; j < end; ++j) {
+                             const float* data = all.data_ptr<float>() + j * width;
+                             steps[j] = owners[sampled[j]]->generation->Next(
+                                 absl::Span<const float>(data, width));
+                           }
+                         });
+  }
+  for (size_t j = 0; j < sampled.size(); ++j) {
+    Request* r = owners[sampled[j]];
+    absl::StatusOr<GenerationState::Step>& step = steps[j];
+    if (!step.ok()) {
+      Fail(r, step.status());
+      continue;
+    }
+    state_->scheduler.Append(&r->seq, r->generation->last_token());
+    if (r->generation->completion_tokens() == 1) r->first_token = Clock::now();
+    EngineEvent e;
+    e.kind = EngineEvent::Kind::kChunk;
+    e.chunk = std::move(step->chunk);
+    r->stream->Push(std::move(e));
+    if (step->finished) Finish(r, FinishReason::kStop, "");
   }
 }
 

@@ -42,6 +42,9 @@
 
 namespace vlm::language {
 
+struct SchedulerOutput;  // scheduler.h
+struct SequenceState;
+
 struct EngineOptions {
   int max_sequences = 8;           // running at once: the batch width
   int max_queue = 16;              // admitted beyond the running ones
@@ -120,6 +123,15 @@ class Engine {
   struct Metrics;
   void Loop();
   void Iterate();
+  // Iterate's steps: drop finished requests; the request owning a scheduled
+  // sequence; build and run one forward pass over the scheduled chunks
+  // (returns how many ran); sample each chunk that wants logits and stream
+  // its text.
+  void SweepFinished();
+  Request* Owner(const SequenceState* seq) const;
+  size_t RunPass(const SchedulerOutput& out);
+  void SampleAndStream(const SchedulerOutput& ran, const std::vector<Request*>& owners,
+                       const at::Tensor& logits);
   void Finish(Request* r, FinishReason reason, const std::string& detail);
   void Fail(Request* r, const absl::Status& status);
   // Bookkeeping when a request ends (before its stream hears of it).
