@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/kernels/kernel_path.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -517,6 +518,9 @@ absl::Status VisionService::Load() {
   if (c.decode_limits.max_encoded_bytes < 1 || c.decode_limits.max_decoded_pixels < 1) {
     return absl::InvalidArgumentError("--max_encoded_bytes and --max_decoded_pixels must be >= 1");
   }
+
+  // The GEMM path (AMX only where a start-up check verified it), before packing.
+  if (auto k = kernels::ChooseKernelPathAtStartup(kLog); !k.ok()) return k.status();
 
   // --- configuration -------------------------------------------------------
   LogInfo(kLog, "loading the vision encoder", {{"config", c.Describe()}});
