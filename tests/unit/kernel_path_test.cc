@@ -5,6 +5,7 @@
 // the metric are checked for forced and automatic choices.
 #include "common/kernels/kernel_path.h"
 
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <string>
@@ -101,6 +102,7 @@ TEST_F(KernelPathTest, AutoTakesAmxOnlyWhenItAgreesAndIsFaster) {
   ASSERT_TRUE(slow.ok()) << slow.status();
   EXPECT_EQ(slow->path, GemmPath::kAvx512Bf16);
   EXPECT_NE(slow->reason.find("amx rejected, not faster"), std::string::npos) << slow->reason;
+  std::printf("emulated amx: %s\n", slow->reason.c_str());
 
   // A candidate that agrees and takes no time at all (its result was
   // computed once beforehand): accepted.
@@ -119,6 +121,7 @@ TEST_F(KernelPathTest, AutoTakesAmxOnlyWhenItAgreesAndIsFaster) {
   ASSERT_TRUE(fast.ok()) << fast.status();
   EXPECT_EQ(fast->path, GemmPath::kAmx) << fast->reason;
   EXPECT_NE(fast->reason.find("amx verified"), std::string::npos) << fast->reason;
+  std::printf("instant candidate: %s\n", fast->reason.c_str());
 }
 
 TEST_F(KernelPathTest, NoAmxOrAForcedPathNeedsNoCheck) {
