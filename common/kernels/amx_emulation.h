@@ -227,22 +227,40 @@ inline void ZeroUpperRows(int t) {
   s.start_row = 0;
 }
 
+// round(c + a·b) once, as an FMA. a and b come from bf16, so their product
+// has at most 16 significant bits and is exact in f32 unless it under- or
+// overflows: then c + a·b in f32 rounds once too. Only the rare tiny products
+// need the fused operation itself.
+inline float FmaBf16Product(float a, float b, float c) {
+  const float p = a * b;
+  if (std::isnormal(p) || a == 0.0f || b == 0.0f || !std::isfinite(p)) return c + p;
+  return std::fma(a, b, c);
+}
+
 inline void DotBf16Ps(int dst, int a, int b) {
   CheckDotShapes("TDPBF16PS", dst, a, b);
   DotInstructionCount().fetch_add(1, std::memory_order_relaxed);
   TileState& s = State();
   const int rows = s.rows[dst], n_count = s.colsb[dst] / 4, k_count = s.colsb[a] / 4;
+  // Both sources as f32 with DAZ applied, once per instruction.
+  float af[kMaxRows][kMaxColsb / 2], bf[kMaxRows][kMaxColsb / 2];
+  for (int r = 0; r < kMaxRows; ++r) {
+    uint16_t arow[kMaxColsb / 2], brow[kMaxColsb / 2];
+    std::memcpy(arow, s.data[a][r], sizeof arow);
+    std::memcpy(brow, s.data[b][r], sizeof brow);
+    for (int i = 0; i < kMaxColsb / 2; ++i) {
+      af[r][i] = Bf16ToF32Daz(arow[i]);
+      bf[r][i] = Bf16ToF32Daz(brow[i]);
+    }
+  }
   for (int m = 0; m < rows; ++m) {
-    uint16_t arow[kMaxColsb / 2];
-    std::memcpy(arow, s.data[a][m], sizeof arow);
+    // temp1 of the SDM: even[n] is temp1.fp32[2n], odd[n] is temp1.fp32[2n+1].
     float even[kMaxColsb / 4] = {}, odd[kMaxColsb / 4] = {};
     for (int k = 0; k < k_count; ++k) {
-      const float a0 = Bf16ToF32Daz(arow[2 * k]), a1 = Bf16ToF32Daz(arow[2 * k + 1]);
-      uint16_t brow[kMaxColsb / 2];
-      std::memcpy(brow, s.data[b][k], sizeof brow);
+      const float a0 = af[m][2 * k], a1 = af[m][2 * k + 1];
       for (int n = 0; n < n_count; ++n) {
-        even[n] = FlushDenormal(std::fma(a0, Bf16ToF32Daz(brow[2 * n]), even[n]));
-        odd[n] = FlushDenormal(std::fma(a1, Bf16ToF32Daz(brow[2 * n + 1]), odd[n]));
+        even[n] = FlushDenormal(FmaBf16Product(a0, bf[k][2 * n], even[n]));
+        odd[n] = FlushDenormal(FmaBf16Product(a1, bf[k][2 * n + 1], odd[n]));
       }
     }
     float c[kMaxColsb / 4];
