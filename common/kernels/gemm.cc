@@ -3,6 +3,7 @@
 #include "common/kernels/gemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,11 +19,6 @@
 #include "common/kernels/thread_pool.h"
 
 namespace vlm::kernels {
-
-// AMX joins the automatic choice only once a run on an AMX machine has
-// verified it (gemm_test with VLM_GEMM_PATH unset passes there and
-// vlm-bench-gemm shows it ahead): then set this to true.
-constexpr bool kAmxInAutomaticChoice = false;
 
 using internal::kPanelCols;
 
@@ -218,7 +214,7 @@ bool GemmPathSupported(GemmPath path, std::string* missing) {
     case GemmPath::kAmx:
       if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16)) {
         why = "AVX-512 BF16 (the AMX path's epilogue uses it)";
-      } else if (!RequestAmxPermission(&why)) {
+      } else if (internal::AmxBlockOverride() == nullptr && !RequestAmxPermission(&why)) {
         // why already says it
       }
       break;
@@ -227,16 +223,56 @@ bool GemmPathSupported(GemmPath path, std::string* missing) {
   return why.empty();
 }
 
+// --- AMX selection ----------------------------------------------------------
+// AMX is never part of AutoGemmPath: it becomes the default only through
+// SetDefaultGemmPath, which the services' start-up check (kernel_path.h) calls
+// after the AMX path has agreed with avx512bf16 and beaten it on this machine.
+
 GemmPath AutoGemmPath() {
-  if (kAmxInAutomaticChoice && GemmPathSupported(GemmPath::kAmx)) return GemmPath::kAmx;
   if (GemmPathSupported(GemmPath::kAvx512Bf16)) return GemmPath::kAvx512Bf16;
   return GemmPath::kTorch;
 }
 
+namespace {
+
+// -1: not yet read from VLM_GEMM_PATH / AutoGemmPath().
+std::atomic<int> default_path{-1};
+std::atomic<internal::BlockKernel> amx_block_override{nullptr};
+
+}  // namespace
+
 GemmPath DefaultGemmPath() {
-  static const GemmPath path = ReadDefaultPath();
-  return path;
+  int p = default_path.load(std::memory_order_acquire);
+  if (p < 0) {
+    static const GemmPath first = ReadDefaultPath();
+    int expected = -1;
+    default_path.compare_exchange_strong(expected, static_cast<int>(first),
+                                         std::memory_order_acq_rel);
+    p = default_path.load(std::memory_order_acquire);
+  }
+  return static_cast<GemmPath>(p);
 }
+
+absl::Status SetDefaultGemmPath(GemmPath path) {
+  std::string missing;
+  if (!GemmPathSupported(path, &missing)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("gemm path ", GemmPathName(path), " is not usable here: ", missing));
+  }
+  default_path.store(static_cast<int>(path), std::memory_order_release);
+  return absl::OkStatus();
+}
+
+namespace internal {
+
+void SetAmxBlockKernel(BlockKernel kernel) {
+  amx_block_override.store(kernel, std::memory_order_release);
+}
+
+BlockKernel AmxBlockOverride() { return amx_block_override.load(std::memory_order_acquire); }
+
+}  // namespace internal
+// --- end of AMX selection ---------------------------------------------------
 
 // ---------------------------------------------------------------------------
 // PackedWeight
@@ -407,7 +443,10 @@ void RunBlocked(const Problem& p, int64_t m, GemmPath path, const GemmOptions& o
   const int64_t chunks = (count + chunk - 1) / chunk;
   const int64_t rows_per_task = RowsPerTask(path, m);
   const int64_t row_blocks = (m + rows_per_task - 1) / rows_per_task;
-  auto block = path == GemmPath::kAmx ? AmxBlock : Avx512Bf16Block;
+  BlockKernel block = Avx512Bf16Block;
+  if (path == GemmPath::kAmx) {
+    block = AmxBlockOverride() != nullptr ? AmxBlockOverride() : AmxBlock;
+  }
   if (source == nullptr) {
     // Task t: row block t / chunks, panel chunk t % chunks. A thread's
     // contiguous share is whole row blocks (its rows of x stay in its L2
