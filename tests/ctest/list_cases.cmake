@@ -2,8 +2,11 @@
 # binary's cases to OUT, one per line; run after every link of the binary
 # (vlm_add_test), the list feeding its per-case ctest tests.
 #   cmake -D BINARY=... -D OUT=... -P list_cases.cmake
-# Leak checks are off here: listing is not a test.
+# Sanitizer reports are off here (leaks at exit, TSan/UBSan at static
+# initialization): listing is not a test; the ctest run reports them.
 set(ENV{ASAN_OPTIONS} "$ENV{ASAN_OPTIONS}:detect_leaks=0")
+set(ENV{TSAN_OPTIONS} "$ENV{TSAN_OPTIONS}:report_bugs=0")
+set(ENV{UBSAN_OPTIONS} "$ENV{UBSAN_OPTIONS}:halt_on_error=0")
 execute_process(COMMAND "${BINARY}" --gtest_list_tests
   OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
