@@ -55,7 +55,7 @@ ABSL_FLAG(bool, int8_prefill_gemm, true,
           "per call (faster where prefill is compute-bound); false: the int8 GEMV like decode rows");
 ABSL_FLAG(int, intra_op_threads, 0,
           "compute threads (the kernels' pool and LibTorch intra-op); 0 = the cores this "
-          "process may use (CPU affinity, capped by a cgroup cpu.max quota)");
+          "process may use (CPU affinity, capped by a cgroup CPU quota)");
 
 namespace {
 
