@@ -28,6 +28,14 @@ def case_file(cases_dir, case):
     return os.path.join(cases_dir, case.replace("/", "%"))
 
 
+def reason_first(detail):
+    """gtest's "file:line\nmessage" as "message (file:line)"."""
+    location, _, message = detail.strip().partition("\n")
+    if message and location.rpartition(":")[2].isdigit():
+        return f"{message.strip()} ({location})"
+    return detail.strip()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
@@ -70,7 +78,7 @@ def main():
             kind, text = "skip", "disabled (DISABLED_ prefix)"
         elif skipped or case.get("result") == "skipped":
             kind = "skip"
-            text = "\n".join((s.text or s.get("message") or "").strip() for s in skipped)
+            text = "; ".join(reason_first(s.text or s.get("message") or "") for s in skipped)
             if not text:
                 text = "skipped by its suite's setup (see the output of ctest test " + args.name + ")"
         else:
