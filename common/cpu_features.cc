@@ -101,10 +101,15 @@ int UsableCores() {
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof set, &set) == 0) cores = CPU_COUNT(&set);
   if (cores <= 0) cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  // cgroup v2: "max 100000" (no limit) or "<quota> <period>".
-  std::ifstream cpu_max("/sys/fs/cgroup/cpu.max");
+  // cgroup v2: "max 100000" (no limit) or "<quota> <period>"; cgroup v1:
+  // cpu.cfs_quota_us (-1: no limit) and cpu.cfs_period_us.
   std::string quota, period;
-  if (cpu_max >> quota >> period && quota != "max") {
+  std::ifstream cpu_max("/sys/fs/cgroup/cpu.max");
+  if (!(cpu_max >> quota >> period)) {
+    std::ifstream q1("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), p1("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+    if (!(q1 >> quota && p1 >> period)) quota = "max";
+  }
+  if (quota != "max") {
     const double q = std::atof(quota.c_str()), p = std::atof(period.c_str());
     if (q > 0 && p > 0) {
       const int limit = static_cast<int>(std::ceil(q / p));

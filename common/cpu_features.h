@@ -38,8 +38,9 @@ const CpuFeatures& GetCpuFeatures();
 // granted; otherwise false and `why` (if given) says what failed.
 bool RequestAmxPermission(std::string* why = nullptr);
 
-// The cores this process may use: sched_getaffinity, capped by a cgroup v2
-// cpu.max quota (rounded up) when one is set; at least 1.
+// The cores this process may use: sched_getaffinity, capped by a cgroup quota
+// (v2 cpu.max, else v1 cpu.cfs_quota_us / cpu.cfs_period_us; rounded up) when
+// one is set; at least 1.
 int UsableCores();
 
 // The dtype a model should compute in: "bfloat16" is honoured only on CPUs
