@@ -7,9 +7,10 @@
 // widening costs two integer ops per 8 columns and pair. x is widened to f32
 // once per K block into a per-thread buffer (its values are bf16, so exactly).
 //
-// Micro-kernel: R (≤ 4) rows x 16 columns (half a panel) of f32 sums in 2R
+// Micro-kernel: R (3 or 4) rows x 16 columns (half a panel) of f32 sums in 2R
 // ymm registers; per k-pair two 32-byte panel loads, four widenings, two
-// broadcasts of x per row and 4R FMAs. Every output element's sum is
+// broadcasts of x per row and 4R FMAs. One or two rows take the whole panel
+// width at once (MicroFull). Every output element's sum is
 // acc = fma(w[2p], x[2p], acc); acc = fma(w[2p+1], x[2p+1], acc) over the
 // pairs in order, whatever R, the K blocking, the row's position or the
 // thread split, so rows are batch-invariant as on the other blocked paths
@@ -76,9 +77,45 @@ VLM_TARGET inline void Micro(const float* x, int64_t ldx, int64_t pairs, const u
   }
 }
 
-// Both halves of one panel for `rows` (≤ kRows) rows.
+// acc[r][32 cols] += x[r, pairs) · panel for R ≤ 2 rows in one pass over the
+// panel: 4R independent sums (the FMA latency, not the two chains of a half
+// panel, bounds one row) and each panel line read once, as decode's few rows
+// need. The same FMA sequence per output element as Micro.
+template <int R>
+VLM_TARGET inline void MicroFull(const float* x, int64_t ldx, int64_t pairs, const uint16_t* panel,
+                                 float* out, bool accumulate) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c)
+      acc[r][c] = accumulate ? _mm256_loadu_ps(out + r * kPanelCols + 8 * c) : _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint16_t* b = panel;
+  for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
+    __m256 xe[R], xo[R];
+    for (int r = 0; r < R; ++r) {
+      xe[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p);
+      xo[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p + 1);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * c));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = _mm256_fmadd_ps(we, xe[r], acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(wo, xo[r], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + r * kPanelCols + 8 * c, acc[r][c]);
+}
+
+// One panel for `rows` (≤ kRows) rows.
 VLM_TARGET void MicroPanel(const float* x, int64_t ldx, int rows, int64_t pairs,
                            const uint16_t* panel, float* out, bool accumulate) {
+  if (rows == 1) return MicroFull<1>(x, ldx, pairs, panel, out, accumulate);
+  if (rows == 2) return MicroFull<2>(x, ldx, pairs, panel, out, accumulate);
   for (int h = 0; h < 2; ++h) {
     const uint16_t* half = panel + h * kPanelCols;  // 16 dwords = 32 uint16 further
     float* o = out + h * 16;
