@@ -1,5 +1,5 @@
 // Gemm dispatch, weight packing and the work split; the ISA kernels live in
-// gemm_avx512bf16.cc and gemm_amx.cc.
+// gemm_avx512bf16.cc, gemm_amx.cc and gemm_avx2.cc.
 #include "common/kernels/gemm.h"
 
 #include <algorithm>
@@ -187,17 +187,18 @@ const char* GemmPathName(GemmPath path) {
     case GemmPath::kAmx: return "amx";
     case GemmPath::kAvx512Bf16: return "avx512bf16";
     case GemmPath::kTorch: return "torch";
+    case GemmPath::kAvx2: return "avx2";
   }
   return "?";
 }
 
 absl::StatusOr<GemmPath> ParseGemmPath(std::string_view name) {
   if (name == "auto") return AutoGemmPath();
-  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kTorch}) {
+  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kAvx2, GemmPath::kTorch}) {
     if (name == GemmPathName(p)) return p;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown gemm path '", std::string(name),
-                                                 "'; expected amx, avx512bf16, torch or auto"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown gemm path '", std::string(name), "'; expected amx, avx512bf16, avx2, torch or auto"));
 }
 
 bool GemmPathSupported(GemmPath path, std::string* missing) {
@@ -218,7 +219,11 @@ bool GemmPathSupported(GemmPath path, std::string* missing) {
         // why already says it
       }
       break;
+    case GemmPath::kAvx2:
+      if (!f.avx2_fma()) why = "AVX2 and FMA";
+      break;
   }
+  if (!why.empty() && !f.isa_cap.empty()) absl::StrAppend(&why, " (VLM_ISA=", f.isa_cap, ")");
   if (!why.empty() && missing != nullptr) *missing = why;
   return why.empty();
 }
@@ -230,6 +235,11 @@ bool GemmPathSupported(GemmPath path, std::string* missing) {
 
 GemmPath AutoGemmPath() {
   if (GemmPathSupported(GemmPath::kAvx512Bf16)) return GemmPath::kAvx512Bf16;
+  // AVX-512 without BF16 keeps oneDNN's AVX-512 bf16 matmul; below that the
+  // AVX2 kernels (oneDNN's bf16 there is ~50x slower than f32).
+  if (!GetCpuFeatures().fast_bf16_matmul() && GemmPathSupported(GemmPath::kAvx2)) {
+    return GemmPath::kAvx2;
+  }
   return GemmPath::kTorch;
 }
 
@@ -345,7 +355,7 @@ constexpr int64_t kMaxTilesPerTask = 24;
 // the fewest row blocks of at most kMaxTilesPerTask tiles (a block boundary
 // never changes what a row computes).
 int64_t RowsPerTask(GemmPath path, int64_t m) {
-  if (path == GemmPath::kAmx) return kRowsPerTask;
+  if (path == GemmPath::kAmx || path == GemmPath::kAvx2) return kRowsPerTask;
   const int64_t tiles = (m + internal::kMicroRows - 1) / internal::kMicroRows;
   const int64_t blocks = (tiles + kMaxTilesPerTask - 1) / kMaxTilesPerTask;
   return (tiles + blocks - 1) / blocks * internal::kMicroRows;
@@ -446,6 +456,8 @@ void RunBlocked(const Problem& p, int64_t m, GemmPath path, const GemmOptions& o
   BlockKernel block = Avx512Bf16Block;
   if (path == GemmPath::kAmx) {
     block = AmxBlockOverride() != nullptr ? AmxBlockOverride() : AmxBlock;
+  } else if (path == GemmPath::kAvx2) {
+    block = Avx2Block;
   }
   if (source == nullptr) {
     // Task t: row block t / chunks, panel chunk t % chunks. A thread's

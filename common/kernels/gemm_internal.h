@@ -74,11 +74,16 @@ using BlockKernel = void (*)(const Problem& p, int64_t m0, int64_t m1, int64_t j
 void SetAmxBlockKernel(BlockKernel kernel);
 // The replacement installed by SetAmxBlockKernel, or nullptr.
 BlockKernel AmxBlockOverride();
+// The same with AVX2 + FMA (gemm_avx2.cc; its own epilogue).
+void Avx2Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
 
 // acc[rows][32] = x[rows, 0..k) · panel (k ≤ 2·kpairs of the panel), the
 // avx512bf16 micro-kernel with the same summation order as Avx512Bf16Block.
 void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                          const uint16_t* panel, float* acc);
+// The same with AVX2 + FMA and Avx2Block's summation order.
+void MicroTileAvx2(const uint16_t* x, int64_t ld_x, int rows, int64_t k, const uint16_t* panel,
+                   float* acc);
 
 // Packs w [n_rows, K] (bf16 bits, row stride ld) into panels (gate_up: gate
 // and up interleaved by 16). `out` has count·kpairs·64 uint16 slots.

@@ -23,6 +23,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
 
 namespace vlm {
@@ -541,26 +542,28 @@ absl::StatusOr<GemvPath> ParseGemvPath(std::string_view name) {
 }
 
 bool GemvPathSupported(GemvPath path, std::string* missing) {
-  __builtin_cpu_init();
+  const CpuFeatures& f = GetCpuFeatures();  // capped by VLM_ISA
   const char* need = nullptr;
   switch (path) {
     case GemvPath::kAvx512Bf16:
-      if (!__builtin_cpu_supports("avx512f")) need = "avx512f";
-      else if (!__builtin_cpu_supports("avx512bw")) need = "avx512bw";
-      else if (!__builtin_cpu_supports("avx512vl")) need = "avx512vl";
-      else if (!__builtin_cpu_supports("avx512bf16")) need = "avx512bf16";
+      if (!f.avx512f) need = "avx512f";
+      else if (!f.avx512bw) need = "avx512bw";
+      else if (!f.avx512vl) need = "avx512vl";
+      else if (!f.avx512bf16) need = "avx512bf16";
       break;
     case GemvPath::kAvx512:
-      if (!__builtin_cpu_supports("avx512f")) need = "avx512f";
+      if (!f.avx512f) need = "avx512f";
       break;
     case GemvPath::kAvx2:
-      if (!__builtin_cpu_supports("avx2")) need = "avx2";
-      else if (!__builtin_cpu_supports("fma")) need = "fma";
+      if (!f.avx2) need = "avx2";
+      else if (!f.fma) need = "fma";
       break;
     case GemvPath::kScalar:
       break;
   }
-  if (need != nullptr && missing != nullptr) *missing = need;
+  if (need != nullptr && missing != nullptr) {
+    *missing = f.isa_cap.empty() ? need : absl::StrCat(need, " (VLM_ISA=", f.isa_cap, ")");
+  }
   return need == nullptr;
 }
 

@@ -7,7 +7,8 @@
 // FMA), AVX2 (same, 256-bit), portable scalar. All accumulate in f32 over x
 // rounded to bf16 (as LibTorch's bf16 linear does), so they agree with
 // at::matmul in f32 on the same bf16 values up to f32 summation order.
-// VLM_GEMV_PATH=avx512bf16|avx512|avx2|scalar|auto forces a path for the process.
+// VLM_GEMV_PATH=avx512bf16|avx512|avx2|scalar|auto forces a path for the process;
+// VLM_ISA (common/cpu_features.h) caps which paths count as supported.
 //
 // Threads: the output rows are split over at::get_num_threads() threads of
 // the kernels' process-wide pool (common/kernels/thread_pool.h): the caller

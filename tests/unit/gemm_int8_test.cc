@@ -147,7 +147,7 @@ TEST_P(GemmInt8PathTest, RowsAreTheSameInAnyBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BlockedPaths, GemmInt8PathTest,
-                         ::testing::Values(GemmPath::kAvx512Bf16, GemmPath::kAmx),
+                         ::testing::Values(GemmPath::kAvx512Bf16, GemmPath::kAmx, GemmPath::kAvx2),
                          [](const auto& info) { return std::string(GemmPathName(info.param)); });
 
 TEST(GemmInt8Test, BadInputGetsAClearStatus) {

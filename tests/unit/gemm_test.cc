@@ -234,7 +234,8 @@ TEST_P(GemmPathTest, WritesIntoStridedOutputAndResidualInPlace) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, GemmPathTest,
-                         ::testing::Values(GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kTorch),
+                         ::testing::Values(GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kAvx2,
+                                           GemmPath::kTorch),
                          [](const auto& info) { return std::string(GemmPathName(info.param)); });
 
 TEST(GemmTest, BadInputGetsInvalidArgument) {
@@ -269,7 +270,7 @@ TEST(GemmTest, BadInputGetsInvalidArgument) {
 }
 
 TEST(GemmTest, UnsupportedPathIsFailedPrecondition) {
-  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16}) {
+  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kAvx2}) {
     std::string missing;
     if (GemmPathSupported(p, &missing)) continue;
     EXPECT_FALSE(missing.empty());
