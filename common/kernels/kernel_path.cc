@@ -19,13 +19,14 @@
 
 ABSL_FLAG(std::string, kernel_path, "auto",
           "GEMM path of the compute kernels: auto (amx only where a start-up check finds it "
-          "agreeing with avx512bf16 and faster, else avx512bf16, else torch), or a path forced: "
-          "amx, avx512bf16, torch");
+          "agreeing with avx512bf16 and faster, else avx512bf16, else avx2 without AVX-512, else "
+          "torch), or a path forced: amx, avx512bf16, avx2, torch");
 
 namespace vlm::kernels {
 namespace {
 
-constexpr GemmPath kAllPaths[] = {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kTorch};
+constexpr GemmPath kAllPaths[] = {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kAvx2,
+                                  GemmPath::kTorch};
 
 double Seconds(const std::function<void()>& f) {
   const auto t0 = std::chrono::steady_clock::now();
