@@ -473,6 +473,52 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
   return t;
 }
 
+// Merges: "a b" strings (older files) or ["a", "b"] pairs; rank = index.
+// A repeated pair keeps its last rank, as in HF's and the JS library's maps.
+absl::Status Tokenizer::BuildMerges(
+    absl::Span<const std::pair<std::string, std::string>> merges) {
+  merges_.reserve(merges.size());
+  std::string joined;
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto& [left, right] = merges[rank];
+    joined.assign(left).append(right);
+    auto l = vocab_.find(left);
+    auto r = vocab_.find(right);
+    auto lr = vocab_.find(joined);
+    if (l == vocab_.end() || r == vocab_.end() || lr == vocab_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("merge ", rank, " (\"", left, "\", \"", right, "\") is not in the vocab"));
+    }
+    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) | static_cast<uint32_t>(r->second);
+    merges_[key] = Merge{static_cast<int32_t>(rank), lr->second};
+  }
+
+  return absl::OkStatus();
+}
+
+// Added tokens by first byte, longest first (the splitter's candidates), and
+// the ids of the special tokens the chat template and generation use.
+void Tokenizer::IndexAddedTokens() {
+  added_by_first_byte_.assign(256, {});
+  for (size_t i = 0; i < added_.size(); ++i) {
+    added_by_first_byte_[static_cast<uint8_t>(added_[i].content[0])].push_back(
+        static_cast<int32_t>(i));
+  }
+  for (auto& list : added_by_first_byte_) {
+    std::stable_sort(list.begin(), list.end(), [&](int32_t a, int32_t b) {
+      return added_[a].content.size() > added_[b].content.size();
+    });
+  }
+  auto id_of = [&](absl::string_view s) { return TokenToId(s).value_or(-1); };
+  special_ids_.endoftext = id_of("<|endoftext|>");
+  special_ids_.im_start = id_of("<|im_start|>");
+  special_ids_.im_end = id_of("<|im_end|>");
+  special_ids_.vision_start = id_of("<|vision_start|>");
+  special_ids_.vision_end = id_of("<|vision_end|>");
+  special_ids_.image_pad = id_of("<|image_pad|>");
+  special_ids_.video_pad = id_of("<|video_pad|>");
+}
+
 absl::Status Tokenizer::Init(absl::string_view tokenizer_json, absl::string_view config_json) {
   if (Nfc() == nullptr) return absl::InternalError("ICU NFC normalizer unavailable");
   VocabAndMerges big;
@@ -529,23 +575,7 @@ absl::Status Tokenizer::Init(absl::string_view tokenizer_json, absl::string_view
     byte_ids_[b] = it->second;
   }
 
-  // Merges: "a b" strings (older files) or ["a", "b"] pairs; rank = index.
-  // A repeated pair keeps its last rank, as in HF's and the JS library's maps.
-  merges_.reserve(big.merges.size());
-  std::string joined;
-  for (size_t rank = 0; rank < big.merges.size(); ++rank) {
-    const auto& [left, right] = big.merges[rank];
-    joined.assign(left).append(right);
-    auto l = vocab_.find(left);
-    auto r = vocab_.find(right);
-    auto lr = vocab_.find(joined);
-    if (l == vocab_.end() || r == vocab_.end() || lr == vocab_.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("merge ", rank, " (\"", left, "\", \"", right, "\") is not in the vocab"));
-    }
-    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) | static_cast<uint32_t>(r->second);
-    merges_[key] = Merge{static_cast<int32_t>(rank), lr->second};
-  }
+  if (absl::Status s = BuildMerges(big.merges); !s.ok()) return s;
 
   // Added tokens override the base entry of the same id.
   for (const json& a : added) {
@@ -574,24 +604,7 @@ absl::Status Tokenizer::Init(absl::string_view tokenizer_json, absl::string_view
       }
     }
   }
-  added_by_first_byte_.assign(256, {});
-  for (size_t i = 0; i < added_.size(); ++i) {
-    added_by_first_byte_[static_cast<uint8_t>(added_[i].content[0])].push_back(
-        static_cast<int32_t>(i));
-  }
-  for (auto& list : added_by_first_byte_) {
-    std::stable_sort(list.begin(), list.end(), [&](int32_t a, int32_t b) {
-      return added_[a].content.size() > added_[b].content.size();
-    });
-  }
-  auto id_of = [&](absl::string_view s) { return TokenToId(s).value_or(-1); };
-  special_ids_.endoftext = id_of("<|endoftext|>");
-  special_ids_.im_start = id_of("<|im_start|>");
-  special_ids_.im_end = id_of("<|im_end|>");
-  special_ids_.vision_start = id_of("<|vision_start|>");
-  special_ids_.vision_end = id_of("<|vision_end|>");
-  special_ids_.image_pad = id_of("<|image_pad|>");
-  special_ids_.video_pad = id_of("<|video_pad|>");
+  IndexAddedTokens();
   BmpClasses();  // build the class table now, not in the first request
   return absl::OkStatus();
 }

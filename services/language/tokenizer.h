@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -101,6 +102,10 @@ class Tokenizer {
 
   Tokenizer();
   absl::Status Init(absl::string_view tokenizer_json, absl::string_view config_json);
+  // Init's steps: the BPE merge table over the vocabulary, and the indexes of
+  // the added tokens (after every added token is known).
+  absl::Status BuildMerges(absl::Span<const std::pair<std::string, std::string>> merges);
+  void IndexAddedTokens();
   // NFC + pre-tokenizer + BPE of a span without added tokens.
   void EncodePlain(absl::string_view text, std::vector<int32_t>* ids) const;
   void EncodePiece(absl::string_view piece, std::vector<int32_t>* ids) const;
