@@ -221,8 +221,8 @@ struct SequenceChunk {
 // share one RowLinear per weight (f32: kernels::GemmF32, a fixed summation
 // order; bf16: at::linear padded so oneDNN stays on row-invariant kernels);
 // decode rows go through Gemv in bf16 with use_gemv (else RowLinear too);
-// norms, rotary, SwiGLU and residual adds are per-row loops; attention is PagedAttention (keys block by block from 0,
-// online f32 softmax). So in f32 (and bf16 without Gemv) a token's K/V and
+// norms, rotary, SwiGLU and residual adds are per-row loops; attention is
+// PagedAttention (keys block by block from 0, online f32 softmax). So in f32 (and bf16 without Gemv) a token's K/V and
 // logits are also the same whether it ran as a decode row or a prefill row;
 // in bf16 with Gemv the two kinds differ by bf16 rounding, so blocks written
 // by decode rows and reused as a prefix match a cold prefill of the same
