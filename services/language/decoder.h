@@ -41,7 +41,7 @@
 namespace vlm::language {
 
 // How the decoder layers' projections are computed in bf16 (f32 compute
-// always uses at::linear: it is the fidelity reference).
+// always uses dense projections on kernels::GemmF32: the fidelity reference).
 //   kernels  weights packed once at layer materialization (q|k|v as one
 //            weight, gate/up with the SiLU·up epilogue, residual adds fused)
 //            and every row, prefill and decode, through kernels::Gemm
@@ -217,16 +217,16 @@ struct SequenceChunk {
 // a token's K/V and logits are the same whether it ran as a decode row or a
 // prefill row; with int8 projections every row goes through
 // kernels::GemvInt8 in groups of 8 (rows independent), likewise. With dense
-// projections (MatmulPath torch, and f32) prefill rows of all chunks
-// share one at::linear per weight (RowLinear: padded so OpenBLAS/oneDNN stay
-// on row-invariant kernels); decode rows go through Gemv in bf16 with
-// use_gemv (else RowLinear too); norms, rotary, SwiGLU and residual adds are
-// per-row loops; attention is PagedAttention (keys block by block from 0,
-// online f32 softmax). So in f32 (and bf16 without Gemv) a token's K/V and
-// logits are also the same whether it ran as a decode row or a prefill row;
-// in bf16 with Gemv the two kinds differ by bf16 rounding, so blocks written
-// by decode rows and reused as a prefix match a cold prefill of the same
-// tokens only to that rounding.
+// projections (MatmulPath torch, and f32) prefill rows of all chunks share one
+// RowLinear per weight (f32: kernels::GemmF32, a fixed summation order; bf16:
+// at::linear padded so oneDNN stays on row-invariant kernels); decode rows go
+// through Gemv in bf16 with use_gemv (else RowLinear too); norms, rotary,
+// SwiGLU and residual adds are per-row loops; attention is PagedAttention (keys
+// block by block from 0, online f32 softmax). So in f32 (and bf16 without Gemv)
+// a token's K/V and logits are also the same whether it ran as a decode row or
+// a prefill row; in bf16 with Gemv the two kinds differ by bf16 rounding, so
+// blocks written by decode rows and reused as a prefix match a cold prefill of
+// the same tokens only to that rounding.
 // Positions: [3, n] int64 (int32 accepted). Any block_size >= 1 works;
 // kv_bytes_per_token() x block_size is one block's size over all layers.
 

@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "common/cpu_features.h"
+#include "common/kernels/gemm_f32.h"
 #include "common/kernels/thread_pool.h"
 
 namespace vlm::language {
@@ -332,6 +333,11 @@ at::Tensor RowLinear(const at::Tensor& x, const at::Tensor& w) {
                   x.scalar_type() == w.scalar_type(),
               "RowLinear: x [N, in] and w [out, in] of one dtype expected, got ", x.sizes(), " ",
               x.scalar_type(), " and ", w.sizes(), " ", w.scalar_type());
+  if (x.scalar_type() == at::kFloat) {
+    absl::StatusOr<at::Tensor> y = kernels::GemmF32(x, w);
+    TORCH_CHECK(y.ok(), "RowLinear: ", y.status().ToString());
+    return *std::move(y);
+  }
   const int64_t n = x.size(0), min_rows = RowLinearMinRows(w);
   if (n >= min_rows) return at::linear(x.contiguous(), w);
   at::Tensor padded = at::zeros({min_rows, x.size(1)}, x.options());

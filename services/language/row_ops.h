@@ -40,16 +40,19 @@ at::Tensor RowSiluMul(const at::Tensor& gate, const at::Tensor& up);
 void RowCosSin(const at::Tensor& positions, const at::Tensor& inv_freq, const int* axes,
                at::Tensor* cos, at::Tensor* sin);
 
-// y = x·wᵀ through at::linear with at least RowLinearMinRows(w) rows (zero
-// rows appended below when x has fewer; they are dropped from y). x: [N, in],
-// w: [out, in], same dtype -> [N, out] in that dtype. The decoder's prefill
-// projections. Measured with LibTorch 1.13.1 + OpenBLAS 0.3.21 (AMD Zen 5):
-// f32 GEMMs of M·out·in <= 73728 (e.g. M <= 18 for a 64x64 weight) take
-// another kernel whose row results differ from larger calls; bf16 (oneDNN)
-// rows were invariant at every M. Padding to M >= 8 and M·out·in >= 2^18
-// (3.5x that threshold) keeps every call on the row-invariant kernels, at a
-// negligible cost next to a prefill. decoder_forward_test checks M = 1..300
-// on the tiny and the 2B layer shapes, 1 and 2 threads, f32 and bf16.
+// y = x·wᵀ, each row's result independent of how many rows share the call.
+// x: [N, in], w: [out, in], same dtype -> [N, out] in that dtype. The
+// decoder's dense projections (f32 compute, and bf16 with --matmul=torch).
+//   f32: kernels::GemmF32 (common/kernels/gemm_f32.h), which sums every
+//        output in one fixed order that depends only on `in`: invariant by
+//        construction on every CPU, whatever OpenBLAS would pick
+//        (OPENBLAS_CORETYPE=Haswell gives f32 rows that change with N).
+//   bf16: at::linear (oneDNN) with at least RowLinearMinRows(w) rows (zero
+//        rows appended below when x has fewer; they are dropped from y): bf16
+//        rows were measured invariant at every row count with LibTorch 1.13.1
+//        once small calls are padded to M >= 8 and M·out·in >= 2^18.
+// decoder_forward_test checks N = 1..300 on the tiny and the 2B layer shapes,
+// 1 and 2 threads, f32 and bf16 (and CI again with OPENBLAS_CORETYPE=Haswell).
 int64_t RowLinearMinRows(const at::Tensor& w);
 at::Tensor RowLinear(const at::Tensor& x, const at::Tensor& w);
 
