@@ -42,7 +42,7 @@
 #include "common/kernels/gemm_f32.h"
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/on_threads.h"
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 
 namespace {
 

@@ -34,7 +34,7 @@
 #include "common/kernels/gemm.h"
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/gemv_bench.h"
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 
 namespace {
 

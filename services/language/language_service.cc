@@ -24,8 +24,8 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/tensor_codec.h"
-#include "services/language/stop_strings.h"
-#include "services/language/utf8.h"
+#include "services/language/sampling/stop_strings.h"
+#include "services/language/text/utf8.h"
 
 namespace vlm::language {
 namespace {

@@ -24,7 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "services/language/tokenizer.h"
+#include "services/language/text/tokenizer.h"
 #include "tests/integration/service_process.h"
 #include "vlm/v1/language.grpc.pb.h"
 

@@ -2,14 +2,14 @@
 // against float32 attention on the same bf16 values; PagedAttention (both
 // paths) against the exact (float64) attention within the bound of its error
 // analysis (PagedReference), and its batch invariance.
-#include "services/language/decode_attention.h"
+#include "services/language/model/decode_attention.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <utility>
 #include <vector>
 
-#include "services/language/paged_attention.h"
+#include "common/kernels/paged_attention.h"
 
 #include <cmath>
 

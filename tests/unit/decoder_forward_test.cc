@@ -26,9 +26,9 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
-#include "services/language/decoder.h"
-#include "services/language/projector.h"
-#include "services/language/row_ops.h"
+#include "services/language/model/decoder.h"
+#include "services/language/model/projector.h"
+#include "common/kernels/row_ops.h"
 #include "tests/unit/decoder_fixture.h"
 
 namespace vlm::language {

@@ -30,7 +30,7 @@
 #include "common/kernels/amx_emulation_support.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/gemv_int8.h"
-#include "services/language/decoder.h"
+#include "services/language/model/decoder.h"
 
 namespace vlm::language {
 namespace {

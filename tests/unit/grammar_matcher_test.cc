@@ -17,7 +17,7 @@
 #include "services/language/grammar/json_schema.h"
 #include "services/language/grammar/matcher.h"
 #include "services/language/grammar/tokenizer_vocabulary.h"
-#include "services/language/tokenizer.h"
+#include "services/language/text/tokenizer.h"
 #include "tests/unit/grammar_test_util.h"
 
 namespace vlm::grammar {

@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "services/language/grammar/vocabulary.h"
-#include "services/language/tokenizer.h"
+#include "services/language/text/tokenizer.h"
 
 namespace vlm::grammar {
 
