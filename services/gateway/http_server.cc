@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "services/gateway/connection_watch.h"
 #include "services/gateway/http_status.h"
 #include "services/gateway/openai_protocol.h"
 #include "services/gateway/web_assets.h"
@@ -44,6 +45,18 @@ struct HttpMetrics {
                                     .Help("Server-sent-event streams open right now.")
                                     .Register(MetricsRegistry())
                                     .Add({});
+  prometheus::Counter& client_gone =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_http_client_gone_total")
+          .Help("Chat requests cancelled because their client closed or reset the connection.")
+          .Register(MetricsRegistry())
+          .Add({});
+  prometheus::Counter& unwatched =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_http_unwatched_requests_total")
+          .Help("Chat requests whose connection could not be watched for the client leaving.")
+          .Register(MetricsRegistry())
+          .Add({});
 };
 
 HttpMetrics& Metrics() {
@@ -87,6 +100,8 @@ struct SseStream {
   bool finished ABSL_GUARDED_BY(mu) = false;
   grpc::Status status ABSL_GUARDED_BY(mu);
   Cancellation cancellation;
+  // Declared after `cancellation`, which its callback cancels: destroyed first.
+  std::unique_ptr<ConnectionWatcher::Watch> watch;
   std::thread worker;
 
   void Push(std::string event) {
@@ -127,6 +142,8 @@ struct HttpServer::Impl {
   const ChatPipeline* pipeline = nullptr;
   const ApiKeys* api_keys = nullptr;
   int64_t created = 0;  // /v1/models "created": the server's start
+  // Before `http`: destroyed after it, when no request (and so no Watch) is left.
+  ConnectionWatcher watcher;
   httplib::Server http;
   std::thread thread;
 
@@ -152,6 +169,26 @@ struct HttpServer::Impl {
                                                    std::string(s.message()))));
     res.set_header("WWW-Authenticate", "Bearer");
     return false;
+  }
+
+  // Watches the request's connection and cancels `cancellation` when the
+  // client closes or resets it. Null when the socket cannot be found (the
+  // request then ends only through failed writes, its deadline or Stop).
+  std::unique_ptr<ConnectionWatcher::Watch> WatchClient(const httplib::Request& req,
+                                                        Cancellation* cancellation) {
+    absl::StatusOr<int> fd =
+        FindConnectionSocket(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
+    absl::StatusOr<std::unique_ptr<ConnectionWatcher::Watch>> watch =
+        fd.ok() ? watcher.Add(*fd,
+                              [cancellation] {
+                                if (!cancellation->cancelled()) Metrics().client_gone.Increment();
+                                cancellation->Cancel();
+                              })
+                : absl::StatusOr<std::unique_ptr<ConnectionWatcher::Watch>>(fd.status());
+    if (watch.ok()) return *std::move(watch);
+    Metrics().unwatched.Increment();
+    LogDebug("gateway", "connection not watched", {{"error", watch.status().ToString()}});
+    return nullptr;
   }
 
   std::optional<ApiError> FetchRemoteImages(OpenAiChatRequest* parsed) const;
@@ -224,7 +261,10 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
       parsed.logprobs, parsed.include_usage);
 
   if (!parsed.stream) {
+    // Nothing is written until the end, so only the watch notices a client
+    // that leaves: it cancels the generation and frees the slots.
     Cancellation cancellation;
+    const std::unique_ptr<ConnectionWatcher::Watch> watch = WatchClient(req, &cancellation);
     Track(&cancellation);
     ChatCall call;
     call.front_end = "http";
@@ -241,6 +281,9 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   // Streaming: the pipeline runs on its own thread; this one waits for the
   // first event (commit to SSE) or an early error (a plain error response).
   auto stream = std::make_shared<SseStream>();
+  // A client that leaves is noticed at once, also before the first event
+  // and during a long prefill, when nothing is written.
+  stream->watch = WatchClient(req, &stream->cancellation);
   Track(&stream->cancellation);
   // The request, to name an image's param in errors; its image bytes go to the pipeline.
   auto request = std::make_shared<const v1::ChatRequest>(std::move(parsed.request));
@@ -266,6 +309,7 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   }
   if (early_error) {
     stream->worker.join();
+    stream->watch.reset();
     Untrack(&stream->cancellation);
     return SendError(res, ApiErrorFromStatus(status, request.get()));
   }
@@ -313,6 +357,8 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
       [this, stream](bool success) {
         if (!success) stream->cancellation.Cancel();
         if (stream->worker.joinable()) stream->worker.join();
+        // Before httplib shuts the socket down or reads the next request.
+        stream->watch.reset();
         Untrack(&stream->cancellation);
         Metrics().sse_open.Decrement();
       });
