@@ -54,7 +54,10 @@ namespace vlm::gateway {
 // The descriptor (not owned, not duplicated) of this process's TCP socket
 // whose local end is local_addr:local_port and whose peer is
 // remote_addr:remote_port (numeric addresses as getnameinfo(NI_NUMERICHOST)
-// writes them, as cpp-httplib's Request reports them). NOT_FOUND if none.
+// writes them, as cpp-httplib's Request reports them). NOT_FOUND if none: for
+// a connection known to be open (an HTTP handler's own), that means its peer
+// reset it, since a reset socket has no peer address any more (ENOTCONN).
+// INVALID_ARGUMENT if a port is unknown (<= 0).
 absl::StatusOr<int> FindConnectionSocket(const std::string& local_addr, int local_port,
                                          const std::string& remote_addr, int remote_port);
 

@@ -172,22 +172,32 @@ struct HttpServer::Impl {
   }
 
   // Watches the request's connection and cancels `cancellation` when the
-  // client closes or resets it. Null when the socket cannot be found (the
-  // request then ends only through failed writes, its deadline or Stop).
+  // client closes or resets it; a connection already reset is cancelled at
+  // once. Null when there is nothing (more) to watch.
   std::unique_ptr<ConnectionWatcher::Watch> WatchClient(const httplib::Request& req,
                                                         Cancellation* cancellation) {
     absl::StatusOr<int> fd =
         FindConnectionSocket(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
-    absl::StatusOr<std::unique_ptr<ConnectionWatcher::Watch>> watch =
-        fd.ok() ? watcher.Add(*fd,
-                              [cancellation] {
-                                if (!cancellation->cancelled()) Metrics().client_gone.Increment();
-                                cancellation->Cancel();
-                              })
-                : absl::StatusOr<std::unique_ptr<ConnectionWatcher::Watch>>(fd.status());
-    if (watch.ok()) return *std::move(watch);
+    if (fd.ok()) {
+      absl::StatusOr<std::unique_ptr<ConnectionWatcher::Watch>> watch =
+          watcher.Add(*fd, [cancellation] {
+            if (!cancellation->cancelled()) Metrics().client_gone.Increment();
+            cancellation->Cancel();
+          });
+      if (watch.ok()) return *std::move(watch);
+      fd = watch.status();
+    }
+    // This handler's socket is open, so only a reset hides its peer's address:
+    // httplib's getpeername failed (remote_port -1, the reset came before the
+    // request was parsed) or no open socket has the address pair any more.
+    if (req.remote_port < 0 || fd.status().code() == absl::StatusCode::kNotFound) {
+      Metrics().client_gone.Increment();
+      cancellation->Cancel();
+      return nullptr;
+    }
     Metrics().unwatched.Increment();
-    LogDebug("gateway", "connection not watched", {{"error", watch.status().ToString()}});
+    Log(LogLevel::kWarning, "gateway", "connection not watched",
+        {{"error", fd.status().ToString()}});
     return nullptr;
   }
 

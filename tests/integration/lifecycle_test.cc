@@ -283,7 +283,12 @@ TEST_F(LifecycleTest, ClientsVanishingAtRandomMomentsLeakNoSlotAndNeverCrashTheG
     for (long bytes : plain_bytes) {
       EXPECT_EQ(bytes, 0) << "a non-streamed request was answered before its client left";
     }
-    ASSERT_TRUE(Eventually(Idle, absl::Seconds(10))) << Gauges();
+    if (!Eventually(Idle, absl::Seconds(10))) {
+      const std::string stuck = Gauges();
+      const bool later = Eventually(Idle, absl::Seconds(30));
+      FAIL() << "not idle 10 s after the clients vanished: " << stuck
+             << (later ? "; idle within 40 s" : "; still not idle after 40 s: ") << Gauges();
+    }
     const double idle_ms = absl::ToDoubleMilliseconds(absl::Now() - vanished);
     ASSERT_TRUE(gateway_->Alive()) << gateway_->LogTail();
 
