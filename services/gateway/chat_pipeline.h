@@ -6,7 +6,11 @@
 //
 // Output goes to a ChatSink in order (text deltas, then one final chunk); a
 // sink that reports its client gone, or a Cancellation, cancels the backend
-// calls, so the language service frees the sequence's slot. Errors come back as
+// calls, so the language service frees the sequence's slot. Where it acts: a
+// request queued for admission leaves the queue (polled every 10 ms); the
+// language call is cancelled at once (and never starts once cancelled); the
+// vision calls follow only a gRPC caller's own cancellation, so a Cancellation
+// raised during the image phase takes effect when that phase ends. Errors come back as
 // grpc::Status (the same codes for both front ends; HTTP maps them with
 // HttpStatusForCode, http_status.h).
 //
