@@ -125,9 +125,13 @@ void Cancellation::Cancel() {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return;
     cancelled_ = true;
+    if (!callback_) return;
     callback = callback_;
+    running_ = true;
   }
-  if (callback) callback();
+  callback();
+  absl::MutexLock lock(&mu_);
+  running_ = false;  // wakes an Unregister waiting in Await
 }
 
 bool Cancellation::cancelled() const {
@@ -136,18 +140,23 @@ bool Cancellation::cancelled() const {
 }
 
 void Cancellation::Register(std::function<void()> callback) {
-  bool run_now = false;
   {
     absl::MutexLock lock(&mu_);
-    callback_ = callback;
-    run_now = cancelled_;
+    mu_.Await(absl::Condition(
+        +[](bool* running) { return !*running; }, &running_));
+    if (!cancelled_) {
+      callback_ = std::move(callback);
+      return;
+    }
+    callback_ = nullptr;  // Cancel() has run: nothing will call a stored callback
   }
-  if (run_now && callback) callback();
+  if (callback) callback();
 }
 
 void Cancellation::Unregister() {
   absl::MutexLock lock(&mu_);
   callback_ = nullptr;
+  mu_.Await(absl::Condition(+[](bool* running) { return !*running; }, &running_));
 }
 
 struct ChatPipeline::Record {
@@ -305,6 +314,11 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   }
 
   // --- the language call ----------------------------------------------------
+  // A front end's client that left during admission or the image phase never
+  // starts a generation.
+  if (cancellation != nullptr && cancellation->cancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+  }
   v1::GenerateRequest generate;
   {
     size_t next_image = 0;
