@@ -137,11 +137,21 @@ class GrammarCompilation {
   // byte or call edges, and the rule's end), sorted: equal sets, equal key.
   void Closure(std::vector<int32_t>* set);
   absl::Status Determinize(int rule, int32_t nfa_start, int32_t nfa_end);
+  // Run's steps after the rule DFAs: global numbering, productive states,
+  // pruning, the left-recursion check, the tables, the shortest outputs.
+  absl::Status BuildRuleDfas();
+  int32_t Global(int rule, int32_t local) const { return base_[rule] + local; }
+  std::vector<uint8_t> ProductiveStates() const;
+  void PruneUnproductive(const std::vector<uint8_t>& productive);
+  absl::Status CheckNoLeftRecursion() const;
+  void BuildTables(Grammar* g) const;
+  std::vector<int64_t> ShortestOutputs() const;
 
   const GrammarBuilder& b_;
   std::vector<NState> nfa_;
   std::vector<std::vector<DState>> dfa_;  // per rule; state 0 is the start
   int64_t total_dfa_states_ = 0;
+  std::vector<int32_t> base_;  // global number of each rule's state 0; base_[rules] = total
   std::chrono::steady_clock::time_point deadline_;
   int32_t rule_end_ = -1;  // NFA end state of the rule being determinized
   std::vector<uint8_t> seen_;
@@ -340,6 +350,25 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
   }
   const int num_rules = static_cast<int>(b_.rules_.size());
   if (root < 0 || root >= num_rules) return absl::InvalidArgumentError("no root rule");
+  if (absl::Status s = BuildRuleDfas(); !s.ok()) return s;
+  // Global numbering: rule r's states are base_[r] .. base_[r + 1] - 1.
+  base_.assign(num_rules + 1, 0);
+  for (int r = 0; r < num_rules; ++r) base_[r + 1] = base_[r] + static_cast<int32_t>(dfa_[r].size());
+  const std::vector<uint8_t> productive = ProductiveStates();
+  if (!productive[Global(root, 0)]) {
+    return absl::InvalidArgumentError("the schema admits no value");
+  }
+  PruneUnproductive(productive);
+  if (absl::Status s = CheckNoLeftRecursion(); !s.ok()) return s;
+  auto g = std::make_shared<Grammar>();
+  BuildTables(g.get());
+  g->root_start_ = Global(root, 0);
+  g->min_output_bytes_ = ShortestOutputs()[root];
+  return std::shared_ptr<const Grammar>(std::move(g));
+}
+
+absl::Status GrammarCompilation::BuildRuleDfas() {
+  const int num_rules = static_cast<int>(b_.rules_.size());
   dfa_.resize(num_rules);
   for (int r = 0; r < num_rules; ++r) {
     if (b_.rules_[r].body < 0) {
@@ -351,14 +380,14 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
     if (absl::Status s = Determinize(r, f->start, f->end); !s.ok()) return s;
   }
 
-  // Global numbering.
-  std::vector<int32_t> base(num_rules + 1, 0);
-  for (int r = 0; r < num_rules; ++r) base[r + 1] = base[r] + static_cast<int32_t>(dfa_[r].size());
-  const int32_t n = base[num_rules];
-  auto global = [&](int r, int32_t local) { return base[r] + local; };
+  return absl::OkStatus();
+}
 
-  // Productive states: those from which the rule can end. A call edge counts
-  // once the callee's start and the return state are productive.
+// Productive states: those from which the rule can end. A call edge counts
+// once the callee's start and the return state are productive.
+std::vector<uint8_t> GrammarCompilation::ProductiveStates() const {
+  const int num_rules = static_cast<int>(dfa_.size());
+  const int32_t n = base_[num_rules];
   std::vector<uint8_t> productive(n, 0);
   {
     // Worklist over reverse edges: a state is re-examined when a successor
@@ -367,16 +396,16 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
     std::vector<int32_t> work;
     for (int r = 0; r < num_rules; ++r) {
       for (int32_t s = 0; s < static_cast<int32_t>(dfa_[r].size()); ++s) {
-        const int32_t gs = global(r, s);
+        const int32_t gs = Global(r, s);
         const DState& d = dfa_[r][s];
         int32_t last = -1;
         for (int b = 0; b < 256; ++b) {
-          if (d.next[b] >= 0 && d.next[b] != last) rev[global(r, d.next[b])].push_back(gs);
+          if (d.next[b] >= 0 && d.next[b] != last) rev[Global(r, d.next[b])].push_back(gs);
           last = d.next[b];
         }
         for (const auto& [callee, t] : d.calls) {
-          rev[global(callee, 0)].push_back(gs);
-          rev[global(r, t)].push_back(gs);
+          rev[Global(callee, 0)].push_back(gs);
+          rev[Global(r, t)].push_back(gs);
         }
         if (d.final) {
           productive[gs] = 1;
@@ -386,16 +415,16 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
     }
     std::vector<int32_t> rule_of(n);
     for (int r = 0; r < num_rules; ++r) {
-      for (int32_t s = base[r]; s < base[r + 1]; ++s) rule_of[s] = r;
+      for (int32_t s = base_[r]; s < base_[r + 1]; ++s) rule_of[s] = r;
     }
     auto check = [&](int32_t gs) {
       const int r = rule_of[gs];
-      const DState& d = dfa_[r][gs - base[r]];
+      const DState& d = dfa_[r][gs - base_[r]];
       for (int b = 0; b < 256; ++b) {
-        if (d.next[b] >= 0 && productive[global(r, d.next[b])]) return true;
+        if (d.next[b] >= 0 && productive[Global(r, d.next[b])]) return true;
       }
       for (const auto& [callee, t] : d.calls) {
-        if (productive[global(callee, 0)] && productive[global(r, t)]) return true;
+        if (productive[Global(callee, 0)] && productive[Global(r, t)]) return true;
       }
       return false;
     };
@@ -410,23 +439,27 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
       }
     }
   }
-  if (!productive[global(root, 0)]) {
-    return absl::InvalidArgumentError("the schema admits no value");
-  }
-  // Drop edges into unproductive states and calls of unproductive rules.
+  return productive;
+}
+
+void GrammarCompilation::PruneUnproductive(const std::vector<uint8_t>& productive) {
+  const int num_rules = static_cast<int>(dfa_.size());
   for (int r = 0; r < num_rules; ++r) {
     for (DState& d : dfa_[r]) {
       for (int b = 0; b < 256; ++b) {
-        if (d.next[b] >= 0 && !productive[global(r, d.next[b])]) d.next[b] = -1;
+        if (d.next[b] >= 0 && !productive[Global(r, d.next[b])]) d.next[b] = -1;
       }
       std::vector<std::pair<int32_t, int32_t>> kept;
       for (const auto& [callee, t] : d.calls) {
-        if (productive[global(callee, 0)] && productive[global(r, t)]) kept.emplace_back(callee, t);
+        if (productive[Global(callee, 0)] && productive[Global(r, t)]) kept.emplace_back(callee, t);
       }
       d.calls = std::move(kept);
     }
   }
+}
 
+absl::Status GrammarCompilation::CheckNoLeftRecursion() const {
+  const int num_rules = static_cast<int>(dfa_.size());
   // Left recursion: a rule that can call itself (directly or through other
   // rules) before reading a byte. Nullable rules are followed through.
   std::vector<uint8_t> nullable(num_rules, 0);
@@ -498,9 +531,14 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
       }
     }
   }
+  return absl::OkStatus();
+}
 
-  auto g = std::make_shared<Grammar>();
-  // Byte classes: bytes that every state treats alike share a class.
+// Byte classes (bytes that every state treats alike share one), the
+// transition table over classes, finals and call edges.
+void GrammarCompilation::BuildTables(Grammar* g) const {
+  const int num_rules = static_cast<int>(dfa_.size());
+  const int32_t n = base_[num_rules];
   {
     std::vector<int32_t> cls(256, 0);
     int num = 1;
@@ -526,26 +564,29 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
   g->final_.assign(n, 0);
   g->call_begin_.assign(n + 1, 0);
   for (int r = 0; r < num_rules; ++r) {
-    g->rule_start_.push_back(global(r, 0));
+    g->rule_start_.push_back(Global(r, 0));
     g->rule_names_.push_back(b_.rules_[r].name);
     for (int32_t s = 0; s < static_cast<int32_t>(dfa_[r].size()); ++s) {
       const DState& d = dfa_[r][s];
-      const int32_t gs = global(r, s);
+      const int32_t gs = Global(r, s);
       for (int b = 0; b < 256; ++b) {
         g->trans_[static_cast<size_t>(gs) * c + g->byte_class_[b]] =
-            d.next[b] >= 0 ? global(r, d.next[b]) : -1;
+            d.next[b] >= 0 ? Global(r, d.next[b]) : -1;
       }
       g->final_[gs] = d.final ? 1 : 0;
       for (const auto& [callee, t] : d.calls) {
-        g->calls_.push_back(Grammar::CallEdge{global(callee, 0), global(r, t)});
+        g->calls_.push_back(Grammar::CallEdge{Global(callee, 0), Global(r, t)});
       }
       g->call_begin_[gs + 1] = static_cast<int32_t>(g->calls_.size());
     }
   }
-  g->root_start_ = global(root, 0);
+}
 
-  // Shortest output: per-rule shortest path from start to a final state,
-  // where a call costs its callee's shortest length; iterated to a fixpoint.
+// Shortest output per rule: the shortest path from its start to a final
+// state, where a call costs its callee's shortest length; iterated to a
+// fixpoint.
+std::vector<int64_t> GrammarCompilation::ShortestOutputs() const {
+  const int num_rules = static_cast<int>(dfa_.size());
   constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
   std::vector<int64_t> rule_min(num_rules, kInf);
   for (bool changed = true; changed;) {
@@ -579,8 +620,7 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
       }
     }
   }
-  g->min_output_bytes_ = rule_min[root];
-  return std::shared_ptr<const Grammar>(std::move(g));
+  return rule_min;
 }
 
 absl::StatusOr<std::shared_ptr<const Grammar>> GrammarBuilder::Build(RuleId root) const {

@@ -567,6 +567,30 @@ class SchemaTranslator {
     }
   }
 
+  // const / enum: the listed values of the schema's type(s) (all when none), as
+  // literals.
+  absl::StatusOr<ExprId> EnumOrConst(const json& s, const std::vector<std::string>& types,
+                                     const std::string& pointer) {
+    std::vector<const json*> values;
+    if (s.contains("const")) {
+      values.push_back(&s["const"]);
+    } else {
+      if (!s["enum"].is_array() || s["enum"].empty()) return Error(pointer, "enum must be a non-empty array");
+      for (const json& v : s["enum"]) values.push_back(&v);
+    }
+    std::vector<ExprId> options;
+    for (const json* v : values) {
+      bool ok = types.empty();
+      for (const std::string& t : types) ok |= MatchesType(*v, t);
+      if (!ok) continue;
+      absl::StatusOr<ExprId> lit = Literal(*v, pointer);
+      if (!lit.ok()) return lit.status();
+      options.push_back(*lit);
+    }
+    if (options.empty()) return Error(pointer, "no enum/const value has the schema's type");
+    return b_.Alt(std::move(options));
+  }
+
   absl::StatusOr<ExprId> Translate(const json& s, const std::string& pointer, int depth) {
     if (depth > kMaxSchemaDepth) return Error(pointer, "schema nests too deeply");
     if (b_.overflowed()) {
@@ -644,26 +668,7 @@ class SchemaTranslator {
     }
     if (s.contains("nullable") && s["nullable"] == true && !types.empty()) types.push_back("null");
 
-    if (s.contains("const") || s.contains("enum")) {
-      std::vector<const json*> values;
-      if (s.contains("const")) {
-        values.push_back(&s["const"]);
-      } else {
-        if (!s["enum"].is_array() || s["enum"].empty()) return Error(pointer, "enum must be a non-empty array");
-        for (const json& v : s["enum"]) values.push_back(&v);
-      }
-      std::vector<ExprId> options;
-      for (const json* v : values) {
-        bool ok = types.empty();
-        for (const std::string& t : types) ok |= MatchesType(*v, t);
-        if (!ok) continue;
-        absl::StatusOr<ExprId> lit = Literal(*v, pointer);
-        if (!lit.ok()) return lit.status();
-        options.push_back(*lit);
-      }
-      if (options.empty()) return Error(pointer, "no enum/const value has the schema's type");
-      return b_.Alt(std::move(options));
-    }
+    if (s.contains("const") || s.contains("enum")) return EnumOrConst(s, types, pointer);
 
     if (types.empty()) {
       auto has = [&](std::initializer_list<const char*> keys) {
