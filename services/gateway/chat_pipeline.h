@@ -146,9 +146,27 @@ class ChatPipeline {
   static Admission::Observer AdmissionGauges();
 
  private:
-  struct Record;  // what the access log line reports
+  struct Record;    // what the access log line reports
+  struct ImageJob;  // one image's encode
   grpc::Status Handle(const ChatCall& call, const v1::ChatRequest& request, ChatSink* sink,
                       Record* record) const;
+  // Handle's steps, in order.
+  absl::Time Deadline(const ChatCall& call, absl::Time start) const;
+  absl::StatusOr<Admission::Permit> Admit(const ChatCall& call, const v1::ChatRequest& request,
+                                          absl::Time deadline) const;
+  grpc::Status EncodeImages(const ChatCall& call, const v1::ChatRequest& request,
+                            absl::Time deadline, const std::string& request_id,
+                            std::vector<ImageJob>* jobs, std::vector<v1::ImageResult>* images,
+                            double* vision_ms, Record* record) const;
+  v1::GenerateRequest BuildGenerateRequest(const v1::ChatRequest& request,
+                                           std::vector<ImageJob>& jobs,
+                                           const std::string& request_id) const;
+  grpc::Status Relay(const ChatCall& call, absl::Time deadline, absl::Time start,
+                     v1::GenerateRequest generate, const std::string& request_id, ChatSink* sink,
+                     v1::GenerateResponse* last, double* first_token_ms) const;
+  grpc::Status Finish(v1::GenerateResponse& last, absl::Time start, absl::Time admitted,
+                      double vision_ms, double first_token_ms, std::vector<v1::ImageResult>& images,
+                      const std::string& request_id, ChatSink* sink, Record* record) const;
 
   const GatewayOptions options_;
   const Readiness* const readiness_;
