@@ -14,6 +14,7 @@
 #endif
 
 #include "common/cpu_features.h"
+#include "common/kernels/simd_math.h"
 
 namespace vlm::nn {
 
@@ -105,25 +106,6 @@ VLM_AVX512 inline void Store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5
-// polynomial, ~1 ulp); x below -87 (incl. -inf) gives exactly 0.
-VLM_AVX512 inline __m512 ExpNonPositive(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, fx));
-}
-
 // One row: x[0..cols) in place, first `valid` entries live. `buf` holds at
 // least round_up(cols, 16) floats.
 template <typename T>
@@ -143,7 +125,7 @@ VLM_AVX512 void SoftmaxRowAvx512(T* x, int64_t cols, int64_t valid, float* buf) 
   const __m512 m = _mm512_set1_ps(row_max);
   __m512 vsum = _mm512_setzero_ps();
   for (j = 0; j < padded; j += 16) {
-    __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(buf + j), m));
+    __m512 e = kernels::internal::ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(buf + j), m));
     vsum = _mm512_add_ps(vsum, e);
     _mm512_storeu_ps(buf + j, e);
   }

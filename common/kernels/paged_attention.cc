@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
+#include "common/kernels/simd_math.h"
 #include "common/kernels/thread_pool.h"
 
 namespace vlm {
@@ -157,24 +158,6 @@ VLM_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
 VLM_AVX512 inline __m512 Load16(const Bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp(x) for x <= 0 (Cephes expf, ~1 ulp); x below -87 gives exactly 0.
-VLM_AVX512 inline __m512 ExpNonPositive(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, fx));
 }
 
 // 16 keys' element c from a block stored [D, bs]: lanes in `mask` read, the
@@ -349,7 +332,8 @@ VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const 
           const __m512 mv = _mm512_set1_ps(m_new);
           float* e = w.e.data() + h * ldk;
           for (int64_t t0 = 0; t0 < valid; t0 += 16) {
-            _mm512_storeu_ps(e + t0, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
+            _mm512_storeu_ps(e + t0, kernels::internal::ExpNonPositive(
+                                         _mm512_sub_ps(_mm512_loadu_ps(s + t0), mv)));
           }
           for (int64_t t = 0; t < valid; ++t) w.l[v] += e[t];
         }

@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "common/cpu_features.h"
+#include "common/kernels/simd_math.h"
 #include "common/kernels/gemm_f32.h"
 #include "common/kernels/thread_pool.h"
 
@@ -95,24 +96,6 @@ VLM_AVX512 inline __m512 RoundTo(Bf16*, __m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ToBf16Bits(v)), 16));
 }
 
-// exp(x) (Cephes expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp),
-// x clamped to [-87, 88].
-VLM_AVX512 inline __m512 Exp(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, fx);
-}
-
 template <typename T>
 VLM_AVX512 void RmsNormRowAvx512(const T* x, const T* w, int64_t n, float eps, T* out) {
   __m512 acc = _mm512_setzero_ps();
@@ -145,7 +128,7 @@ VLM_AVX512 void SiluMulRowAvx512(const T* gate, const T* up, int64_t n, T* out) 
   for (int64_t k = 0; k < n; k += 16) {
     const __mmask16 m = Mask(n - k);
     const __m512 g = Load(gate + k, m);
-    const __m512 e = Exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 e = kernels::internal::Exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 s = RoundTo(static_cast<T*>(nullptr), _mm512_div_ps(g, _mm512_add_ps(one, e)));
     Store(out + k, _mm512_mul_ps(s, Load(up + k, m)), m);
   }

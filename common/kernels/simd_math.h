@@ -1,5 +1,6 @@
-// Internal to common/kernels: f32 math on AVX-512 and AVX2 vectors shared by
-// the GEMM epilogues and the attention softmax. Callers are compiled for
+// Internal to common/kernels (and common/nn.cc): f32 math on AVX-512 and AVX2
+// vectors shared by the GEMM epilogues, the row ops and every softmax; the one
+// place the vector exp is written. Callers are compiled for
 // AVX-512 F (Exp) or AVX2 + FMA (Exp8).
 #pragma once
 
@@ -11,11 +12,9 @@
 
 namespace vlm::kernels::internal {
 
-// exp(x), x clamped to [-87.3, 88.7] (Cephes expf: range reduction by ln 2,
-// degree-5 polynomial, ~1 ulp); -inf gives exp(-87.3) ≈ 1e-38, not 0: callers
-// that need exact zeros mask them.
-__attribute__((target("avx512f"), always_inline)) inline __m512 Exp(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+// exp(x) for x already inside [-87.3, 88.7] (Cephes expf: range reduction by
+// ln 2, degree-5 polynomial, ~1 ulp).
+__attribute__((target("avx512f"), always_inline)) inline __m512 ExpInRange(__m512 x) {
   const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
@@ -28,6 +27,21 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 Exp(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   const __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(y, fx);
+}
+
+// exp(x), x clamped to [-87.3, 88.7]; -inf gives exp(-87.3) ≈ 1e-38, not 0:
+// callers that need exact zeros use ExpNonPositive or mask them.
+__attribute__((target("avx512f"), always_inline)) inline __m512 Exp(__m512 x) {
+  return ExpInRange(
+      _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f)));
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum); x below -87
+// (incl. -inf) gives exactly 0.
+__attribute__((target("avx512f"), always_inline)) inline __m512 ExpNonPositive(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny),
+                             ExpInRange(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))));
 }
 
 // Exp on 8 lanes with AVX2 + FMA: the same reduction and polynomial as Exp;
