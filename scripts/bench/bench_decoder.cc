@@ -3,11 +3,11 @@
 // ratio to the memory-bandwidth bound (weight bytes read per token / read
 // bandwidth measured in the same run). Prints a table of medians.
 //
-// Then the batched forward (Decoder::Forward over a paged KV cache): decode
-// tokens/s for B sequences per pass (aggregate and per sequence, speedup over
-// B = 1, the bandwidth bound B·bandwidth / weight bytes), a prompt prefilled
-// through Prefill and through Forward, and one layer's attention through the
-// old kernels (nn::AttentionHeadMajor, DecodeAttention) and PagedAttention.
+// Everything runs through Decoder::Forward over a paged KV cache. Then the
+// batched tables: decode tokens/s for B sequences per pass (aggregate and per
+// sequence, speedup over B = 1, the bandwidth bound B·bandwidth / weight
+// bytes), a prompt prefilled in chunks and in one chunk, and one layer's
+// attention through nn::AttentionHeadMajor and PagedAttention.
 //
 //   vlm-bench-decoder --checkpoint ~/.cache/vlm/checkpoints/2b --threads 2
 #include <algorithm>
@@ -37,7 +37,6 @@
 #include "common/kernels/gemm.h"
 #include "common/kernels/gemv_int8.h"
 #include "common/kernels/quantize.h"
-#include "services/language/model/decode_attention.h"
 #include "services/language/model/decoder.h"
 #include "common/kernels/gemv.h"
 #include "common/kernels/paged_attention.h"
@@ -53,12 +52,12 @@ ABSL_FLAG(int, prefetch_layers, 1, "layers prefetched ahead");
 ABSL_FLAG(bool, eager, false, "materialize every layer at load");
 ABSL_FLAG(bool, gemv, true, "decode projections through vlm::Gemv");
 ABSL_FLAG(bool, packed_head, true, "LM head on the packed GEMM (packed/int8 layers); false: Gemv");
-ABSL_FLAG(int64_t, chunk, 512, "prefill chunk tokens");
-ABSL_FLAG(bool, single, true, "run the single-sequence Prefill/DecodeStep table");
+ABSL_FLAG(int64_t, chunk, 512, "prompt tokens per prefill pass (0: the whole prompt in one)");
+ABSL_FLAG(bool, single, true, "run the single-sequence table (one request: prefill, decode)");
 ABSL_FLAG(std::string, batches, "1,2,4,8", "batched forward: sequences per decode pass");
 ABSL_FLAG(int, context, 256, "batched forward: tokens in each sequence's KV before decoding");
 ABSL_FLAG(int, forward_steps, 8, "batched forward: decode passes per batch size");
-ABSL_FLAG(int, forward_prefill, 512, "prompt tokens for Prefill vs Forward (0: skip)");
+ABSL_FLAG(int, forward_prefill, 512, "prompt tokens for the prefill table, chunked vs one chunk (0: skip)");
 ABSL_FLAG(int64_t, block_size, 16, "paged KV block size (tokens)");
 ABSL_FLAG(bool, small_m, false,
           "only the decode-row kernel table: kernels::Gemm vs vlm::Gemv vs GemvInt8 at M = 1..8 "
@@ -114,6 +113,41 @@ double Seconds(const std::function<void()>& f) {
   return Now() - t;
 }
 
+// A text sequence's tokens [start, start + n) in one Forward pass (positions
+// start..: text), logits of the last one; blocks from `table`.
+absl::StatusOr<at::Tensor> Pass(const vlm::language::Decoder& d, vlm::language::KvStorage& kv,
+                                absl::Span<const int32_t> ids, int64_t start, int64_t n,
+                                absl::Span<const int32_t> table, bool decode) {
+  vlm::language::SequenceChunk c;
+  c.token_ids = ids.subspan(start, n);
+  c.start = start;
+  c.block_table = table;
+  c.positions = at::arange(start, start + n, at::TensorOptions().dtype(at::kLong))
+                    .unsqueeze(0)
+                    .expand({3, n})
+                    .contiguous();
+  c.decode = decode;
+  c.logits = true;
+  absl::StatusOr<at::Tensor> logits = d.Forward(kv, {c});
+  if (!logits.ok()) return logits.status();
+  return (*logits)[0];
+}
+
+// A text prompt prefilled alone from cache index 0 in chunks of `chunk` tokens
+// (0: one chunk); logits of its last token.
+absl::StatusOr<at::Tensor> Prefill(const vlm::language::Decoder& d, vlm::language::KvStorage& kv,
+                                   absl::Span<const int32_t> prompt,
+                                   absl::Span<const int32_t> table, int64_t chunk) {
+  const int64_t s = static_cast<int64_t>(prompt.size());
+  if (chunk <= 0) chunk = s;
+  absl::StatusOr<at::Tensor> last = absl::InvalidArgumentError("empty prompt");
+  for (int64_t a = 0; a < s; a += chunk) {
+    last = Pass(d, kv, prompt, a, std::min(chunk, s - a), table, false);
+    if (!last.ok()) return last;
+  }
+  return last;
+}
+
 // Decoder::Forward: batched decode, prefill, attention. `bw`: read bandwidth
 // (bytes/s) measured in this run.
 int RunForward(const vlm::language::Decoder& d, double bw) {
@@ -153,25 +187,6 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
   std::printf("| B | pass ms | aggregate tok/s | per-sequence tok/s | speedup vs B=1 | bound "
               "tok/s (B·bw/bytes) | of bound |\n|---|---|---|---|---|---|---|\n");
   double base = 0;
-  {
-    // The single-sequence path (Prefill + DecodeStep) at the same context.
-    std::vector<int32_t> ids(context + steps);
-    for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
-    auto seq = d.NewSequence(context + steps + 1);
-    PrefillInput in;
-    in.token_ids = absl::MakeConstSpan(ids).subspan(0, context);
-    if (!seq.ok() || !d.Prefill(**seq, in).ok()) return 1;
-    std::vector<double> times;
-    for (int s = 0; s < steps; ++s) {
-      bool ok = true;
-      times.push_back(Seconds([&] { ok = d.DecodeStep(**seq, ids[context + s]).ok(); }));
-      if (!ok) return 1;
-    }
-    const double step = Median(times);
-    std::printf("| 1 (DecodeStep, old path) | %.1f | %.2f | %.2f | | %.2f | %.0f%% |\n",
-                step * 1e3, 1 / step, 1 / step, bw / weight_bytes,
-                100.0 / step / (bw / weight_bytes));
-  }
   for (int b : batches) {
     std::vector<std::vector<int32_t>> ids(b), tables(b);
     std::vector<at::Tensor> positions(b);
@@ -228,31 +243,21 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
     for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
     std::vector<int32_t> table;
     for (int64_t k = 0; k < (prefill_n + bs - 1) / bs; ++k) table.push_back(static_cast<int32_t>(k));
-    const at::Tensor pos = text_positions(0, prefill_n);
-    auto seq = d.NewSequence(prefill_n + 1);
-    if (!seq.ok()) return 1;
-    std::vector<double> old_t, new_t;
+    const int64_t chunk = absl::GetFlag(FLAGS_chunk);
+    std::vector<double> chunked_t, whole_t;
     for (int rep = 0; rep < 3 && want("prefill"); ++rep) {
-      (*seq)->Reset();
-      PrefillInput in;
-      in.token_ids = ids;
       bool ok = true;
-      old_t.push_back(Seconds([&] { ok = d.Prefill(**seq, in).ok(); }));
-      SequenceChunk c;
-      c.token_ids = ids;
-      c.block_table = table;
-      c.positions = pos;
-      c.logits = true;
-      new_t.push_back(Seconds([&] { ok = ok && d.Forward(*kv, {c}).ok(); }));
+      chunked_t.push_back(Seconds([&] { ok = Prefill(d, *kv, ids, table, chunk).ok(); }));
+      whole_t.push_back(Seconds([&] { ok = ok && Prefill(d, *kv, ids, table, 0).ok(); }));
       if (!ok) return 1;
     }
     if (want("prefill")) {
-    const double o = Median(old_t), n = Median(new_t);
-    std::printf("\n### Prefill of %d tokens (median of 3)\n\n| path | s | tok/s |\n|---|---|---|\n",
+    const double o = Median(chunked_t), n = Median(whole_t);
+    std::printf("\n### Prefill of %d tokens through Forward (median of 3)\n\n"
+                "| path | s | tok/s |\n|---|---|---|\n",
                 prefill_n);
-    std::printf("| Prefill (chunk %ld) | %.3f | %.1f |\n", static_cast<long>(absl::GetFlag(FLAGS_chunk)), o,
-                prefill_n / o);
-    std::printf("| Forward (one chunk) | %.3f | %.1f |\n| Forward / Prefill | %.2fx | |\n", n,
+    std::printf("| chunks of %ld | %.3f | %.1f |\n", static_cast<long>(chunk), o, prefill_n / o);
+    std::printf("| one chunk | %.3f | %.1f |\n| one chunk / chunks | %.2fx | |\n", n,
                 prefill_n / n, n / o);
     }  // prefill
 
@@ -267,7 +272,7 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
     // The paged layout: K [blocks, Hkv, D, bs], V [blocks, Hkv, bs, D].
     const at::Tensor kc = at::randn({nb, hkv, hd, bs}).to(dt), vc = at::randn({nb, hkv, bs, hd}).to(dt);
     const at::Tensor q = at::randn({prefill_n, hq, hd}).to(dt);
-    // Head-major views of the same keys for the old kernels: [Hkv, S, D].
+    // Head-major views of the same keys for nn::AttentionHeadMajor: [Hkv, S, D].
     const at::Tensor kh = kc.permute({1, 0, 3, 2}).reshape({hkv, nb * bs, hd}).narrow(1, 0, prefill_n).contiguous();
     const at::Tensor vh = vc.transpose(0, 1).reshape({hkv, nb * bs, hd}).narrow(1, 0, prefill_n).contiguous();
     const at::Tensor qh = q.transpose(0, 1).contiguous();
@@ -278,7 +283,7 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
     std::vector<PagedQueryRun> runs = {{0, prefill_n, 0, table}};
     PagedAttentionOptions po;
     po.scale = scale;
-    std::vector<double> t_old, t_new, t_old_dec, t_new_dec, t_scalar;
+    std::vector<double> t_old, t_new, t_new_dec, t_scalar;
     const int64_t dec_len = std::min<int64_t>(context, prefill_n);
     std::vector<PagedQueryRun> dec_runs = {{0, 1, dec_len - 1, table}};
     const at::Tensor q1 = q.narrow(0, 0, 1).contiguous();
@@ -288,9 +293,6 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
       PagedAttentionOptions scalar = po;
       scalar.path = AttentionPath::kScalar;
       if (rep < 2) t_scalar.push_back(Seconds([&] { PagedAttention(q, kc, vc, runs, scalar); }));
-      t_old_dec.push_back(Seconds([&] {
-        for (int i = 0; i < 100; ++i) DecodeAttention(q1.view({hq, hd}), kh, vh, dec_len, scale);
-      }) / 100);
       t_new_dec.push_back(Seconds([&] {
         for (int i = 0; i < 100; ++i) PagedAttention(q1, kc, vc, dec_runs, po);
       }) / 100);
@@ -304,9 +306,8 @@ int RunForward(const vlm::language::Decoder& d, double bw) {
                 prefill_n, Median(t_old) * 1e3, Median(t_new) * 1e3, Median(t_new) / Median(t_old));
     std::printf("| prefill %d, scalar path | | %.2f ms | %.2fx |\n", prefill_n,
                 Median(t_scalar) * 1e3, Median(t_scalar) / Median(t_old));
-    std::printf("| decode, 1 query over %ld keys (old: DecodeAttention) | %.1f us | %.1f us | %.2fx |\n",
-                static_cast<long>(dec_len), Median(t_old_dec) * 1e6, Median(t_new_dec) * 1e6,
-                Median(t_new_dec) / Median(t_old_dec));
+    std::printf("| decode, 1 query over %ld keys | | %.1f us | |\n", static_cast<long>(dec_len),
+                Median(t_new_dec) * 1e6);
   }
   return 0;
 }
@@ -508,7 +509,6 @@ int Run() {
     o.int8_lm_head = absl::GetFlag(FLAGS_int8_lm_head);
     o.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
   }
-  o.prefill_chunk_tokens = absl::GetFlag(FLAGS_chunk);
   o.layers.eager_load = absl::GetFlag(FLAGS_eager);
   o.layers.resident_layers = absl::GetFlag(FLAGS_resident_layers);
   o.layers.prefetch_layers = absl::GetFlag(FLAGS_prefetch_layers);
@@ -527,8 +527,16 @@ int Run() {
   std::mt19937 rng(1);
   std::vector<int32_t> ids(n_prompt);
   for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
-  auto seq = d.NewSequence(n_prompt + n_decode + 1);
-  if (!seq.ok()) return 1;
+  // One request alone, as the engine runs it: its own blocks, the prompt in
+  // --chunk passes, then one decode pass per token.
+  const int64_t bs = absl::GetFlag(FLAGS_block_size);
+  std::vector<int32_t> table;
+  for (int64_t b = 0; b * bs < n_prompt + n_decode + 1; ++b) table.push_back(static_cast<int32_t>(b));
+  auto kv = d.NewKvStorage(static_cast<int64_t>(table.size()), bs);
+  if (!kv.ok()) {
+    std::fprintf(stderr, "%s\n", kv.status().ToString().c_str());
+    return 1;
+  }
 
   if (!absl::GetFlag(FLAGS_single)) {
     std::vector<uint8_t> buffer(size_t{1} << 30, 1);
@@ -542,10 +550,8 @@ int Run() {
     return rc;
   }
   // First request: prefill (cold layers) + decode.
-  PrefillInput in;
-  in.token_ids = ids;
   double t = Now();
-  auto logits = d.Prefill(**seq, in);
+  auto logits = Prefill(d, *kv, ids, table, absl::GetFlag(FLAGS_chunk));
   const double prefill_cold = Now() - t;
   if (!logits.ok()) {
     std::fprintf(stderr, "prefill: %s\n", logits.status().ToString().c_str());
@@ -554,16 +560,19 @@ int Run() {
   std::vector<double> steps;
   for (int i = 0; i < n_decode; ++i) {
     const int32_t next = static_cast<int32_t>(logits->argmax().item<int64_t>() % 150000);
+    ids.push_back(next);
     t = Now();
-    logits = d.DecodeStep(**seq, next);
+    logits = Pass(d, *kv, ids, n_prompt + i, 1, table, /*decode=*/true);
     steps.push_back(Now() - t);
     if (!logits.ok()) return 1;
   }
   const double rss_after = RssMb();
-  // Warm prefill on a fresh sequence.
-  (*seq)->Reset();
+  // Warm prefill of the same prompt (from cache index 0 again).
   t = Now();
-  if (!d.Prefill(**seq, in).ok()) return 1;
+  if (!Prefill(d, *kv, absl::MakeConstSpan(ids).subspan(0, n_prompt), table,
+               absl::GetFlag(FLAGS_chunk)).ok()) {
+    return 1;
+  }
   const double prefill_warm = Now() - t;
 
   // Read bandwidth with the same threads over a 1 GiB buffer.

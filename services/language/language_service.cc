@@ -272,7 +272,6 @@ absl::Status LanguageService::Load() {
     checkpoint_ = std::shared_ptr<const SafetensorsCheckpoint>(std::move(*checkpoint));
     DecoderOptions decoder_options;
     decoder_options.compute_dtype = options_.compute_dtype;
-    decoder_options.prefill_chunk_tokens = options_.prefill_chunk_tokens;
     decoder_options.use_gemv = options_.use_gemv;
     decoder_options.matmul = options_.matmul;
     decoder_options.weight_dtype = options_.weight_dtype;
@@ -312,7 +311,7 @@ absl::Status LanguageService::Load() {
   if (!tokenizer.ok()) return tokenizer.status();
   tokenizer_ = *std::move(tokenizer);
 
-  GeneratorConfig generator_config;
+  GenerationStateConfig generator_config;
   for (int64_t id : generation_config_.eos_token_ids) {
     generator_config.eos_ids.push_back(static_cast<int32_t>(id));
   }

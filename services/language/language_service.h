@@ -50,7 +50,7 @@
 #include "services/language/text/chat_template.h"
 #include "services/language/model/decoder.h"
 #include "services/language/engine/engine.h"
-#include "services/language/engine/generator.h"
+#include "services/language/engine/generation_state.h"
 #include "services/language/model/projector.h"
 #include "services/language/text/tokenizer.h"
 #include "vlm/v1/language.grpc.pb.h"
@@ -66,7 +66,6 @@ struct LanguageServiceOptions {
   bool eager_load = false;
   int resident_layers = 0;      // 0 = no bound
   int prefetch_layers = 1;
-  int64_t prefill_chunk_tokens = 512;
   bool use_gemv = true;
   MatmulPath matmul = MatmulPath::kAuto;             // decoder.h
   WeightDType weight_dtype = WeightDType::kBFloat16;  // decoder.h

@@ -9,7 +9,6 @@
 //     joining and leaving between passes, bit-identical to each alone;
 //   - prefix reuse: a sequence that reads another's blocks and prefills only
 //     its suffix equals a cold run (text, images, cut mid-image, moved image);
-//   - agreement with the Prefill/DecodeStep path (greedy tokens, 1e-5);
 //   - row invariance of the projections on a 2B-shaped layer, M = 1..300;
 //   - validation: INVALID_ARGUMENT naming the chunk and field.
 #include <algorithm>
@@ -217,67 +216,6 @@ TEST(DecoderForwardF32Test, LogitsMatchReferenceForAnyChunkingAndDecodeChunks) {
         }
       }
     }
-  }
-}
-
-TEST(DecoderForwardF32Test, GreedyTokensAndLogitsMatchPrefillDecodeStepPath) {
-  Model m = Load(ComputeDType::kFloat32);
-  ASSERT_NE(m.decoder, nullptr);
-  constexpr int kSteps = 16;
-  for (const char* name : kCases) {
-    Case c = ReadCase(name);
-    // Old path: Prefill + DecodeStep, greedy.
-    Seq s = MakeSeq(m, c, c.ids);
-    auto seq = m.decoder->NewSequence(static_cast<int64_t>(c.ids.size()) + kSteps);
-    ASSERT_TRUE(seq.ok());
-    auto pos = GetRopeIndex(c.ids, c.grids, m.config);
-    ASSERT_TRUE(pos.ok());
-    PrefillInput in;
-    in.token_ids = c.ids;
-    in.image_embeds = s.images.image_embeds;
-    in.deepstack = s.images.deepstack;
-    in.positions = &*pos;
-    auto logits = m.decoder->Prefill(**seq, in);
-    ASSERT_TRUE(logits.ok()) << logits.status();
-    std::vector<int32_t> old_tokens;
-    std::vector<at::Tensor> old_logits;
-    for (int i = 0; i < kSteps; ++i) {
-      old_logits.push_back(*logits);
-      old_tokens.push_back(static_cast<int32_t>(logits->argmax().item<int64_t>()));
-      if (i + 1 < kSteps) {
-        logits = m.decoder->DecodeStep(**seq, old_tokens.back());
-        ASSERT_TRUE(logits.ok()) << logits.status();
-      }
-    }
-    // Forward: prompt in chunks of 5, then decode chunks of its own greedy tokens.
-    KvStorage kv = NewKv(m, 8);
-    Blocks blocks;
-    blocks.Reserve(s, static_cast<int64_t>(c.ids.size()) + kSteps, 8);
-    std::vector<int32_t> tokens;
-    double worst = 0;
-    at::Tensor last;
-    for (int64_t start = 0; start < static_cast<int64_t>(c.ids.size()); start += 5) {
-      const int64_t n = std::min<int64_t>(5, c.ids.size() - start);
-      last = Pass(m, kv, {Chunk(s, start, n, false)});
-    }
-    s.done = static_cast<int64_t>(c.ids.size());
-    for (int i = 0; i < kSteps; ++i) {
-      ASSERT_TRUE(last.defined());
-      worst = std::max(worst, RowError(last[0], old_logits[i]));
-      EXPECT_LE(RowError(last[0], old_logits[i]), 1e-5) << name << " step " << i;
-      tokens.push_back(static_cast<int32_t>(last[0].argmax().item<int64_t>()));
-      if (i + 1 == kSteps) break;
-      s.ids.push_back(tokens.back());
-      const int64_t p = s.done;
-      const int64_t delta = pos->rope_delta;
-      s.positions = at::cat({s.positions, at::full({3, 1}, p + delta, s.positions.options())}, 1);
-      s.pad_before.push_back(s.pad_before.back());
-      last = Pass(m, kv, {Chunk(s, p, 1, true)});
-      ++s.done;
-    }
-    EXPECT_EQ(tokens, old_tokens) << name;
-    std::printf("  %s: %d greedy tokens equal, worst relative logit difference %.2e\n", name,
-                kSteps, worst);
   }
 }
 

@@ -5,8 +5,10 @@
 //        32 greedy tokens identical with KV-cache decode steps;
 //   bf16: top-1 equal wherever the reference's top-1/top-2 margin > 0.5
 //        (teacher-forced);
-// plus chunked == unchunked prefill, identical outputs under a resident-layer
-// bound, lazy loading, the tied-head rule and input validation.
+// plus identical outputs under a resident-layer bound, lazy loading and the
+// tied-head rule. Every run goes through Decoder::Forward (one sequence alone,
+// decoder_test_util.h); its batching, chunking and validation are
+// decoder_forward_test's.
 #include "services/language/model/decoder.h"
 
 #include <cstdio>
@@ -21,6 +23,7 @@
 
 #include "services/language/model/projector.h"
 #include "tests/unit/decoder_fixture.h"
+#include "tests/unit/decoder_test_util.h"
 
 namespace vlm::language {
 namespace {
@@ -36,6 +39,8 @@ using decoder_fixture::RowError;
 using decoder_fixture::TinyDir;
 using decoder_fixture::UntiedF32Dir;
 using decoder_fixture::UntiedGoldenDir;
+using decoder_test::ForwardRun;
+using decoder_test::PromptInput;
 
 constexpr double kMargin = 0.5;  // bf16 top-1 is checked where top1 - top2 > this
 
@@ -45,8 +50,8 @@ struct Prompt {
   std::vector<int32_t> ids;
   RopeIndex positions;
   ProjectedImages images;
-  PrefillInput Input(bool all_logits) const {
-    PrefillInput in;
+  PromptInput Input(bool all_logits) const {
+    PromptInput in;
     in.token_ids = ids;
     in.image_embeds = images.image_embeds;
     in.deepstack = images.deepstack;
@@ -74,9 +79,7 @@ Prompt MakePrompt(const Model& m, const Case& c, std::vector<int32_t> ids) {
 
 void ExpectF32LogitsMatch(const std::string& ckpt_dir, const std::string& golden_dir,
                           int64_t chunk) {
-  DecoderOptions o;
-  o.prefill_chunk_tokens = chunk;
-  Model m = Load(ckpt_dir, ComputeDType::kFloat32, o);
+  Model m = Load(ckpt_dir, ComputeDType::kFloat32);
   ASSERT_NE(m.decoder, nullptr);
   for (const char* name : kCases) {
     Case c = ReadCase(golden_dir, name);
@@ -89,9 +92,10 @@ void ExpectF32LogitsMatch(const std::string& ckpt_dir, const std::string& golden
     ASSERT_TRUE(prompt_only.ok());
     EXPECT_EQ(prompt_only->rope_delta, c.rope_delta) << name;
 
-    auto seq = m.decoder->NewSequence(256);
-    ASSERT_TRUE(seq.ok());
-    auto logits = m.decoder->Prefill(**seq, p.Input(/*all_logits=*/true));
+    ForwardRun run(*m.decoder, 256);
+    PromptInput in = p.Input(/*all_logits=*/true);
+    in.chunk = chunk;
+    auto logits = run.Prefill(in);
     ASSERT_TRUE(logits.ok()) << logits.status();
     ASSERT_EQ(logits->sizes(), c.logits.sizes()) << name;
     double worst = 0;
@@ -127,22 +131,21 @@ void ExpectGreedyMatches(const std::string& ckpt_dir, const std::string& golden_
     Case c = ReadCase(golden_dir, name);
     Prompt p = MakePrompt(m, c, c.ids);
     const int64_t s = static_cast<int64_t>(c.ids.size());
-    auto seq = m.decoder->NewSequence(s + static_cast<int64_t>(c.greedy.size()));
-    ASSERT_TRUE(seq.ok());
-    auto logits = m.decoder->Prefill(**seq, p.Input(false));
+    ForwardRun run(*m.decoder, s + static_cast<int64_t>(c.greedy.size()));
+    auto logits = run.Prefill(p.Input(false));
     ASSERT_TRUE(logits.ok()) << logits.status();
-    EXPECT_EQ((*seq)->rope_delta(), c.rope_delta);
+    EXPECT_EQ(run.rope_delta(), c.rope_delta);
     std::vector<int32_t> tokens;
     for (size_t i = 0; i < c.greedy.size(); ++i) {
       EXPECT_LE(RowError(*logits, c.logits[s - 1 + i]), kF32Tolerance) << name << " step " << i;
       const int32_t token = static_cast<int32_t>(logits->argmax().item<int64_t>());
       tokens.push_back(token);
       if (i + 1 == c.greedy.size()) break;
-      logits = m.decoder->DecodeStep(**seq, token);
+      logits = run.DecodeStep(token);
       ASSERT_TRUE(logits.ok()) << logits.status();
     }
     EXPECT_EQ(tokens, c.greedy) << name;
-    EXPECT_EQ((*seq)->length(), s + static_cast<int64_t>(c.greedy.size()) - 1);
+    EXPECT_EQ(run.length(), s + static_cast<int64_t>(c.greedy.size()) - 1);
   }
 }
 
@@ -160,14 +163,13 @@ TEST(DecoderF32Test, GreedyTokensMatchReferenceUntied) {
 // the reference's greedy tokens; logits rows align with the golden's.
 at::Tensor TeacherForcedLogits(const Model& m, const Case& c) {
   Prompt p = MakePrompt(m, c, c.ids);
-  auto seq = m.decoder->NewSequence(static_cast<int64_t>(c.ids.size() + c.greedy.size()));
-  EXPECT_TRUE(seq.ok());
-  auto logits = m.decoder->Prefill(**seq, p.Input(true));
+  ForwardRun run(*m.decoder, static_cast<int64_t>(c.ids.size() + c.greedy.size()));
+  auto logits = run.Prefill(p.Input(true));
   EXPECT_TRUE(logits.ok()) << logits.status();
   if (!logits.ok()) return at::Tensor();
   std::vector<at::Tensor> rows = {*logits};
   for (size_t i = 0; i + 1 < c.greedy.size(); ++i) {
-    auto step = m.decoder->DecodeStep(**seq, c.greedy[i]);
+    auto step = run.DecodeStep(c.greedy[i]);
     EXPECT_TRUE(step.ok()) << step.status();
     if (!step.ok()) return at::Tensor();
     rows.push_back(step->unsqueeze(0));
@@ -216,67 +218,18 @@ TEST(DecoderBf16Test, TopOneMatchesReferenceWhereMarginIsClear) {
 
 at::Tensor PrefillThenDecode(const Model& m, const Case& c, int steps) {
   Prompt p = MakePrompt(m, c, c.ids);
-  auto seq = m.decoder->NewSequence(static_cast<int64_t>(c.ids.size()) + steps);
-  EXPECT_TRUE(seq.ok());
-  auto logits = m.decoder->Prefill(**seq, p.Input(true));
+  ForwardRun run(*m.decoder, static_cast<int64_t>(c.ids.size()) + steps);
+  auto logits = run.Prefill(p.Input(true));
   EXPECT_TRUE(logits.ok()) << logits.status();
   if (!logits.ok()) return at::Tensor();
   std::vector<at::Tensor> rows = {*logits};
   for (int i = 0; i < steps; ++i) {
-    auto step = m.decoder->DecodeStep(**seq, c.greedy[i]);
+    auto step = run.DecodeStep(c.greedy[i]);
     EXPECT_TRUE(step.ok()) << step.status();
     if (!step.ok()) return at::Tensor();
     rows.push_back(step->unsqueeze(0));
   }
   return at::cat(rows, 0);
-}
-
-TEST(DecoderTest, ChunkedPrefillEqualsUnchunked) {
-  for (ComputeDType dtype : {ComputeDType::kFloat32, ComputeDType::kBFloat16}) {
-    DecoderOptions whole;
-    whole.prefill_chunk_tokens = 0;
-    Model ref = Load(TinyDir(), dtype, whole);
-    ASSERT_NE(ref.decoder, nullptr);
-    for (const char* name : {"one_image", "two_images"}) {
-      Case c = ReadCase(GoldenDir(), name);
-      at::Tensor want = PrefillThenDecode(ref, c, 4);
-      for (int64_t chunk : {1, 3, 7}) {
-        DecoderOptions o;
-        o.prefill_chunk_tokens = chunk;
-        Model m = Load(TinyDir(), dtype, o);
-        at::Tensor got = PrefillThenDecode(m, c, 4);
-        ASSERT_EQ(got.sizes(), want.sizes());
-        double worst = 0;
-        for (int64_t i = 0; i < want.size(0); ++i) worst = std::max(worst, RowError(got[i], want[i]));
-        const bool f32 = dtype == ComputeDType::kFloat32;
-        // f32: summation order only. bf16: GEMMs over another row count round
-        // some sums differently in the last bf16 bit, which the residual
-        // stream carries to the logits at the bf16 noise level (the same
-        // ~2e-2 as bf16 vs the f32 reference); the top-1 must hold wherever
-        // it is clear (the bf16 fidelity criterion).
-        EXPECT_LE(worst, f32 ? 1e-5 : 5e-2) << name << " chunk " << chunk;
-        at::Tensor top2 = std::get<0>(want.topk(2, -1));
-        at::Tensor margin = top2.select(1, 0) - top2.select(1, 1);
-        at::Tensor same = got.argmax(-1) == want.argmax(-1);
-        int64_t clear = 0, moved = 0;
-        for (int64_t i = 0; i < want.size(0); ++i) {
-          if (!same[i].item<bool>()) ++moved;
-          if (margin[i].item<double>() <= kMargin) continue;
-          ++clear;
-          EXPECT_TRUE(same[i].item<bool>()) << name << " chunk " << chunk << " row " << i
-                                            << " margin " << margin[i].item<double>();
-        }
-        if (f32) {
-          EXPECT_EQ(moved, 0) << name << " chunk " << chunk;
-        }
-        std::printf("  %s %s chunk %ld: worst relative difference %.2e, top-1 moved at %ld of %ld "
-                    "rows (%ld with a clear margin checked)\n",
-                    ComputeDTypeName(dtype), name, static_cast<long>(chunk), worst,
-                    static_cast<long>(moved), static_cast<long>(want.size(0)),
-                    static_cast<long>(clear));
-      }
-    }
-  }
 }
 
 TEST(DecoderTest, ResidentLayerBoundGivesIdenticalLogits) {
@@ -296,7 +249,6 @@ TEST(DecoderTest, ResidentLayerBoundGivesIdenticalLogits) {
         DecoderOptions o;
         o.layers.resident_layers = bound;
         o.layers.prefetch_layers = prefetch;
-        o.prefill_chunk_tokens = 0;
         Model m = Load(s.dir, s.dtype, o);
         at::Tensor got = PrefillThenDecode(m, c, 5);
         EXPECT_TRUE(at::equal(got, want)) << s.dir << " bound " << bound << " prefetch " << prefetch;
@@ -317,12 +269,11 @@ TEST(DecoderTest, LazyLoadMaterializesLayersOnFirstUse) {
   EXPECT_EQ(layers.resident_layers(), 0);
   Case c = ReadCase(GoldenDir(), "text");
   Prompt p = MakePrompt(m, c, c.ids);
-  auto seq = m.decoder->NewSequence(64);
-  ASSERT_TRUE(seq.ok());
-  ASSERT_TRUE(m.decoder->Prefill(**seq, p.Input(false)).ok());
+  ForwardRun run(*m.decoder, 64);
+  ASSERT_TRUE(run.Prefill(p.Input(false)).ok());
   EXPECT_EQ(layers.resident_layers(), layers.num_layers());
   EXPECT_EQ(layers.materializations(), layers.num_layers());
-  ASSERT_TRUE(m.decoder->DecodeStep(**seq, 13).ok());
+  ASSERT_TRUE(run.DecodeStep(13).ok());
   EXPECT_EQ(layers.materializations(), layers.num_layers());  // no reload without a bound
 
   DecoderOptions eager;
@@ -361,12 +312,11 @@ TEST(DecoderTest, TiedHeadUsesLmHeadWhenEmbedTokensIsAbsent) {
   EXPECT_NE((*decoder)->load_summary().find("tied head from lm_head.weight"), std::string::npos)
       << (*decoder)->load_summary();
   Case c = ReadCase(GoldenDir(), "text");
-  auto s1 = tied.decoder->NewSequence(64);
-  auto s2 = (*decoder)->NewSequence(64);
-  PrefillInput in;
+  ForwardRun s1(*tied.decoder, 64), s2(**decoder, 64);
+  PromptInput in;
   in.token_ids = c.ids;
-  auto a = tied.decoder->Prefill(**s1, in);
-  auto b = (*decoder)->Prefill(**s2, in);
+  auto a = s1.Prefill(in);
+  auto b = s2.Prefill(in);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_TRUE(at::equal(*a, *b));
 
@@ -377,78 +327,6 @@ TEST(DecoderTest, TiedHeadUsesLmHeadWhenEmbedTokensIsAbsent) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(bad.status().message().find("untied head"), std::string::npos) << bad.status();
-}
-
-// --- bad input -----------------------------------------------------------------
-
-TEST(DecoderTest, RejectsBadInputAndKeepsTheSequenceUsable) {
-  Model m = Load(TinyDir(), ComputeDType::kFloat32);
-  ASSERT_NE(m.decoder, nullptr);
-  Case c = ReadCase(GoldenDir(), "one_image");
-  Prompt p = MakePrompt(m, c, c.ids);
-  auto seq = m.decoder->NewSequence(64);
-  ASSERT_TRUE(seq.ok());
-  auto expect_invalid = [&](const PrefillInput& in, const std::string& needle) {
-    auto r = m.decoder->Prefill(**seq, in);
-    ASSERT_FALSE(r.ok()) << needle;
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
-    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status();
-    EXPECT_EQ((*seq)->length(), 0);
-  };
-  {  // image embeddings for fewer tokens than the prompt's pads
-    PrefillInput in = p.Input(false);
-    in.image_embeds = p.images.image_embeds.narrow(0, 0, 8);
-    expect_invalid(in, "image_embeds");
-  }
-  {  // deepstack level missing
-    PrefillInput in = p.Input(false);
-    in.deepstack.pop_back();
-    expect_invalid(in, "deepstack");
-  }
-  {  // image tokens without MRoPE positions
-    PrefillInput in = p.Input(false);
-    in.positions = nullptr;
-    expect_invalid(in, "positions");
-  }
-  {  // positions for another prompt length
-    RopeIndex short_pos = p.positions;
-    for (auto& a : short_pos.positions) a.pop_back();
-    PrefillInput in = p.Input(false);
-    in.positions = &short_pos;
-    expect_invalid(in, "positions");
-  }
-  {  // out-of-vocabulary id, video pad, empty prompt
-    std::vector<int32_t> ids = {1, 2, 200000};
-    PrefillInput in;
-    in.token_ids = ids;
-    expect_invalid(in, "outside the vocabulary");
-    ids[2] = static_cast<int32_t>(m.config.video_token_id);
-    expect_invalid(in, "video");
-    in.token_ids = {};
-    expect_invalid(in, "no tokens");
-  }
-  {  // prompt longer than the context
-    auto small = m.decoder->NewSequence(10);
-    ASSERT_TRUE(small.ok());
-    auto r = m.decoder->Prefill(**small, p.Input(false));
-    ASSERT_FALSE(r.ok());
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(r.status().message().find("do not fit the context"), std::string::npos) << r.status();
-  }
-  EXPECT_EQ(m.decoder->NewSequence(0).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(m.decoder->NewSequence(m.decoder->max_context() + 1).status().code(),
-            absl::StatusCode::kInvalidArgument);
-
-  // The sequence still works and gives the reference's answer.
-  auto logits = m.decoder->Prefill(**seq, p.Input(false));
-  ASSERT_TRUE(logits.ok()) << logits.status();
-  EXPECT_LE(RowError(*logits, c.logits[c.ids.size() - 1]), kF32Tolerance);
-  // A full sequence refuses further tokens.
-  auto full = m.decoder->NewSequence(static_cast<int64_t>(c.ids.size()));
-  ASSERT_TRUE(m.decoder->Prefill(**full, p.Input(false)).ok());
-  auto over = m.decoder->DecodeStep(**full, 13);
-  EXPECT_EQ(over.status().code(), absl::StatusCode::kOutOfRange);
-  EXPECT_EQ(m.decoder->DecodeStep(**seq, -1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 #include "common/safetensors.h"
 #include "services/language/model/decoder.h"
 #include "services/language/model/projector.h"
+#include "tests/unit/decoder_test_util.h"
 #include "tests/unit/fake_model_runner.h"
 
 namespace vlm::language {
@@ -468,6 +469,18 @@ TEST_F(EngineTest, RequestThatCannotFitTheCacheAloneIsRefusedNamingKvCacheMb) {
   EXPECT_EQ(ok.ids.size(), 7u);
 }
 
+TEST_F(EngineTest, RejectsAnEmptyPromptAndZeroMaxTokens) {
+  Harness h = Fake(Options(16));
+  Outcome empty = h.Run(Request(3));
+  EXPECT_EQ(empty.status.code(), absl::StatusCode::kInvalidArgument) << empty.status;
+  EXPECT_TRUE(absl::StrContains(empty.status.message(), "prompt is empty")) << empty.status;
+  EngineRequest zero = Request(0);
+  AddText(&zero, Text(41, 5));
+  Outcome none = h.Run(zero);
+  EXPECT_EQ(none.status.code(), absl::StatusCode::kInvalidArgument) << none.status;
+  EXPECT_TRUE(absl::StrContains(none.status.message(), "max_tokens")) << none.status;
+}
+
 TEST_F(EngineTest, FullBatchAndQueueRefuseAndCancelFreesTheSlotAndBlocks) {
   EngineOptions o = Options(64);
   o.max_sequences = 1;
@@ -599,11 +612,10 @@ TEST_F(EngineDecoderTest, PrefixHitsGiveTheTokensAndLogprobsOfColdRuns) {
 }
 
 TEST_F(EngineDecoderTest, BatchedEngineMatchesThePlainOneRequestLoop) {
-  // The plain path: Generator over Decoder::Prefill / DecodeStep with a
-  // contiguous per-request cache. Different kernels (paged attention, batched
-  // rows), so logprobs agree to a tolerance; greedy tokens exactly.
-  DecoderModel plain_model(projector_, decoder_, *config_);
-  Generator plain(&plain_model, tokenizer_, GeneratorConfig{});
+  // The plain path: each request alone, its prompt in one prefill pass and
+  // one pass per generated token (decoder_test_util.h), sampled by its own
+  // GenerationState: no scheduler, no prefix cache, no batch. Logprobs agree
+  // to a tolerance; greedy tokens exactly.
   Harness h = Real(Options(256));
   std::vector<EngineRequest> requests = MixedRequests(0.0f);
   std::vector<std::shared_ptr<RequestStream>> streams;
@@ -617,12 +629,25 @@ TEST_F(EngineDecoderTest, BatchedEngineMatchesThePlainOneRequestLoop) {
     ASSERT_TRUE(batched.status.ok()) << batched.status;
     std::vector<int32_t> ids;
     std::vector<float> logprobs;
-    auto result = plain.Generate(requests[i].generation, [&](const GenerationChunk& c) {
-      ids.insert(ids.end(), c.token_ids.begin(), c.token_ids.end());
-      for (const auto& lp : c.logprobs) logprobs.push_back(lp.chosen.logprob);
-      return true;
-    });
-    ASSERT_TRUE(result.ok()) << result.status();
+    const GenerationRequest& g = requests[i].generation;
+    ASSERT_TRUE(g.images.empty());  // text prompts: positions 0, 1, 2, ...
+    decoder_test::ForwardRun plain(*decoder_,
+                                   static_cast<int64_t>(g.prompt_ids.size()) + g.max_tokens);
+    decoder_test::PromptInput prompt;
+    prompt.token_ids = g.prompt_ids;
+    auto logits = plain.Prefill(prompt);
+    const GenerationStateConfig eos;  // Options() sets no EOS ids either
+    GenerationState state(g, tokenizer_, eos);
+    for (;;) {
+      ASSERT_TRUE(logits.ok()) << logits.status();
+      const at::Tensor row = logits->contiguous();
+      auto step = state.Next(absl::Span<const float>(row.data_ptr<float>(), row.numel()));
+      ASSERT_TRUE(step.ok()) << step.status();
+      ids.insert(ids.end(), step->chunk.token_ids.begin(), step->chunk.token_ids.end());
+      for (const auto& lp : step->chunk.logprobs) logprobs.push_back(lp.chosen.logprob);
+      if (step->finished) break;
+      logits = plain.DecodeStep(state.last_token());
+    }
     EXPECT_EQ(batched.ids, ids) << "request " << i;
     ASSERT_EQ(batched.logprobs.size(), logprobs.size());
     for (size_t k = 0; k < logprobs.size(); ++k) {

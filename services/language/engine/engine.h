@@ -36,7 +36,7 @@
 #include "absl/time/time.h"
 #include "common/model_config.h"
 #include "services/language/engine/block_key.h"
-#include "services/language/engine/generator.h"
+#include "services/language/engine/generation_state.h"
 #include "services/language/engine/model_runner.h"
 #include "services/language/text/tokenizer.h"
 
@@ -148,7 +148,7 @@ class Engine {
   const Tokenizer* tokenizer_;
   ModelConfig config_;
   EngineOptions options_;
-  GeneratorConfig generator_config_;
+  GenerationStateConfig generator_config_;
   Metrics* metrics_;
 
   mutable absl::Mutex mu_;

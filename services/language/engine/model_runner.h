@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "services/language/model/decoder.h"
-#include "services/language/engine/generator.h"
+#include "services/language/engine/generation_state.h"
 #include "services/language/model/projector.h"
 
 namespace vlm::language {

@@ -10,7 +10,6 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
-#include <tuple>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -20,8 +19,6 @@
 #include "absl/strings/str_join.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/gemv_int8.h"
-#include "common/nn.h"
-#include "services/language/model/decode_attention.h"
 #include "common/kernels/gemv.h"
 #include "common/kernels/paged_attention.h"
 #include "common/kernels/row_ops.h"
@@ -86,22 +83,6 @@ absl::StatusOr<WeightDType> ParseWeightDType(std::string_view value) {
       absl::StrCat("weight_dtype \"", std::string(value), "\": expected bf16 or int8"));
 }
 
-// What one pass over a run of tokens needs besides the hidden states.
-struct Decoder::Pass {
-  int64_t start = 0;     // cache index of the first token
-  at::Tensor cos, sin;   // [S, head_dim] float32
-  bool decode = false;   // one token: Gemv projections when enabled
-  at::Tensor visual;     // [V] int64 rows of the pass holding image tokens (V may be 0)
-  std::vector<at::Tensor> deepstack;  // [V, hidden] per level, compute dtype
-};
-
-uint64_t Sequence::kv_bytes() const {
-  uint64_t total = 0;
-  for (const at::Tensor& t : k_cache_) total += t.nbytes();
-  for (const at::Tensor& t : v_cache_) total += t.nbytes();
-  return total;
-}
-
 Decoder::~Decoder() = default;
 
 // ---------------------------------------------------------------------------
@@ -134,9 +115,6 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   }
   if (c.attention_bias) {
     return absl::InvalidArgumentError("text_config.attention_bias true is not supported");
-  }
-  if (options.prefill_chunk_tokens < 0 || options.attention_query_tile < 0) {
-    return absl::InvalidArgumentError("prefill_chunk_tokens and attention_query_tile must be >= 0");
   }
   if (config.vision.deepstack_visual_indexes.size() > static_cast<size_t>(c.num_hidden_layers)) {
     return absl::InvalidArgumentError("more deepstack levels than decoder layers");
@@ -344,134 +322,13 @@ uint64_t Decoder::decode_weight_bytes() const {
   return layers_->total_bytes() + head + final_norm_.nbytes();
 }
 
-absl::StatusOr<std::unique_ptr<Sequence>> Decoder::NewSequence(int64_t capacity) const {
-  if (capacity < 1 || capacity > max_context()) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence capacity ", capacity,
-                                                   " must be in 1..", max_context(),
-                                                   " (max_position_embeddings)"));
-  }
-  const TextConfig& c = config_.text;
-  std::unique_ptr<Sequence> seq(new Sequence());
-  seq->capacity_ = capacity;
-  try {
-    const auto opts = at::TensorOptions().dtype(ToScalarType(compute_dtype_));
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      seq->k_cache_.push_back(at::empty({c.num_key_value_heads, capacity, c.head_dim}, opts));
-      seq->v_cache_.push_back(at::empty({c.num_key_value_heads, capacity, c.head_dim}, opts));
-    }
-  } catch (const c10::Error& e) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache for ", capacity, " tokens: ",
-                                                     e.what_without_backtrace()));
-  }
-  return seq;
-}
-
 // ---------------------------------------------------------------------------
-// Forward
+// LM head
 // ---------------------------------------------------------------------------
-
-at::Tensor Decoder::Embed(absl::Span<const int32_t> ids) const {
-  at::Tensor index = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong));
-  std::copy(ids.begin(), ids.end(), index.data_ptr<int64_t>());
-  return at::index_select(embed_tokens_, 0, index);  // [S, hidden]
-}
-
-at::Tensor Decoder::RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) const {
-  const TextConfig& c = config_.text;
-  const int64_t s = x.size(0), hq = c.num_attention_heads, hkv = c.num_key_value_heads,
-                d = c.head_dim;
-  const double eps = c.rms_norm_eps, scale = 1.0 / std::sqrt(static_cast<double>(d));
-  const int64_t end = pass.start + s;  // keys visible to the last token
-  const bool gemv = pass.decode && use_gemv_;
-
-  for (int l = 0; l < layers_->num_layers(); ++l) {
-    absl::StatusOr<LayerStore::Handle> handle = layers_->Acquire(l);
-    TORCH_CHECK(handle.ok(), "layer ", l, ": ", handle.status().ToString());
-    const DecoderLayerWeights& w = **handle;
-
-    // --- self-attention --------------------------------------------------
-    // x: [S, hidden]
-    at::Tensor h = nn::RmsNorm(x, w.input_layernorm, eps);
-    at::Tensor q, k, v;  // [S, heads·D], [S, kv_heads·D] x2
-    const bool dense = projection_form() == ProjectionForm::kDense;
-    const int64_t np = pass.decode ? 0 : s, nd = pass.decode ? s : 0;
-    if (!dense) {
-      ProjectQkv(np, nd, w, h, &q, &k, &v);
-    } else if (gemv) {
-      at::Tensor* ys[] = {&q, &k, &v};
-      const at::Tensor ws[] = {w.q_proj, w.k_proj, w.v_proj};
-      Check(GemvMulti(h, ws, ys));
-    } else {
-      q = nn::Linear(h, w.q_proj);
-      k = nn::Linear(h, w.k_proj);
-      v = nn::Linear(h, w.v_proj);
-    }
-    q = nn::RmsNorm(q.view({s, hq, d}), w.q_norm, eps);  // per head, before RoPE
-    k = nn::RmsNorm(k.view({s, hkv, d}), w.k_norm, eps);
-    q = nn::ApplyRotary(q, pass.cos, pass.sin);  // [S, heads, D]
-    k = nn::ApplyRotary(k, pass.cos, pass.sin);  // [S, kv_heads, D]
-    // Cache: [kv_heads, capacity, D]; this pass's keys at start..end-1.
-    at::Tensor& k_cache = seq.k_cache_[l];
-    at::Tensor& v_cache = seq.v_cache_[l];
-    k_cache.narrow(1, pass.start, s).copy_(k.transpose(0, 1));
-    v_cache.narrow(1, pass.start, s).copy_(v.view({s, hkv, d}).transpose(0, 1));
-    at::Tensor o;  // [S, heads·D]
-    if (s == 1) {
-      // One query per head over the cache in place (decode_attention.h).
-      o = DecodeAttention(q.view({hq, d}), k_cache, v_cache, end, scale).view({1, hq * d});
-    } else {
-      nn::AttentionOptions ao;
-      ao.scale = scale;
-      ao.causal = true;
-      ao.q_offset = pass.start;
-      if (options_.attention_query_tile > 0) ao.query_tile = options_.attention_query_tile;
-      o = nn::AttentionHeadMajor(q.transpose(0, 1), k_cache.narrow(1, 0, end),
-                                 v_cache.narrow(1, 0, end), ao)  // [heads, S, D]
-              .transpose(0, 1)
-              .reshape({s, hq * d});
-    }
-    if (!dense) {
-      o = o.contiguous();
-      AddAttentionOut(np, nd, w, o, x);
-      at::Tensor n = nn::RmsNorm(x, w.post_attention_layernorm, eps);
-      AddMlp(np, nd, w, n, x);
-      if (l < static_cast<int>(pass.deepstack.size()) && pass.visual.numel() > 0) {
-        x.index_put_({pass.visual}, x.index({pass.visual}) + pass.deepstack[l]);
-      }
-      continue;
-    }
-    at::Tensor attn_out;
-    if (gemv) {
-      Check(Gemv(o, w.o_proj, &attn_out));
-    } else {
-      attn_out = nn::Linear(o, w.o_proj);
-    }
-    x = x + attn_out;
-
-    // --- MLP ----------------------------------------------------------------
-    at::Tensor n = nn::RmsNorm(x, w.post_attention_layernorm, eps);
-    at::Tensor mlp;
-    if (gemv) {
-      at::Tensor gate, up;
-      at::Tensor* ys[] = {&gate, &up};
-      const at::Tensor ws[] = {w.gate_proj, w.up_proj};
-      Check(GemvMulti(n, ws, ys));
-      Check(Gemv(at::silu(gate).mul_(up), w.down_proj, &mlp));
-    } else {
-      mlp = nn::SwiGlu(n, w.gate_proj, w.up_proj, w.down_proj);
-    }
-    x = x + mlp;
-
-    // --- deepstack (§5.3): after layer l, at the image positions ------------
-    if (l < static_cast<int>(pass.deepstack.size()) && pass.visual.numel() > 0) {
-      x.index_put_({pass.visual}, x.index({pass.visual}) + pass.deepstack[l]);
-    }
-  }
-  return x;
-}
 
 at::Tensor Decoder::Head(const at::Tensor& hidden) const {
-  // hidden: [R, hidden] (after the final norm) -> [R, vocab] float32
+  // hidden: [R, hidden] (after the final norm) -> [R, vocab] float32. Every
+  // form gives per-row results (GemvInt8, packed Gemm, Gemv, RowLinear).
   if (!lm_head8_.empty()) return Int8Rows(hidden, lm_head8_, at::kFloat);
   if (!packed_head_.empty()) {
     kernels::GemmOptions options;
@@ -490,149 +347,7 @@ at::Tensor Decoder::Head(const at::Tensor& hidden) const {
     }
     return logits;
   }
-  return nn::Linear(hidden, lm_head_).to(at::kFloat);
-}
-
-absl::StatusOr<at::Tensor> Decoder::Prefill(Sequence& seq, const PrefillInput& in) const {
-  const TextConfig& c = config_.text;
-  const int64_t s = static_cast<int64_t>(in.token_ids.size());
-  const int32_t image_pad = static_cast<int32_t>(config_.image_token_id);
-  const int32_t video_pad = static_cast<int32_t>(config_.video_token_id);
-  if (s == 0) return absl::InvalidArgumentError("prompt: no tokens");
-  if (s > seq.capacity() - seq.length()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt: ", s, " tokens do not fit the context: the sequence holds ", seq.capacity(),
-        " tokens", seq.length() > 0 ? absl::StrCat(" and has ", seq.length(), " already") : ""));
-  }
-  std::vector<int64_t> pad_rows;  // prompt indices of the image pads
-  for (int64_t i = 0; i < s; ++i) {
-    const int32_t id = in.token_ids[i];
-    if (id < 0 || id >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt: token ", i, " has id ", id,
-                                                     ", outside the vocabulary 0..",
-                                                     c.vocab_size - 1));
-    }
-    if (id == video_pad) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("prompt: token ", i, " is <|video_pad|>: video input is not supported"));
-    }
-    if (id == image_pad) pad_rows.push_back(i);
-  }
-  const int64_t p = static_cast<int64_t>(pad_rows.size());
-  auto check_rows = [&](const at::Tensor& t, const std::string& what) -> absl::Status {
-    if (!t.defined() || t.dim() != 2 || t.size(0) != p || t.size(1) != c.hidden_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": shape [", t.defined() ? absl::StrJoin(t.sizes().vec(), ", ") : "undefined",
-          "], the prompt's ", p, " image pad tokens need [", p, ", ", c.hidden_size, "]"));
-    }
-    if (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kFloat) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": dtype ",
-                                                     c10::toString(t.scalar_type()),
-                                                     ", expected bfloat16 or float32"));
-    }
-    return absl::OkStatus();
-  };
-  const size_t levels = config_.vision.deepstack_visual_indexes.size();
-  if (p > 0 || in.image_embeds.defined()) {
-    absl::Status st = check_rows(in.image_embeds, "image_embeds");
-    if (!st.ok()) return st;
-    if (in.deepstack.size() != levels) {
-      return absl::InvalidArgumentError(absl::StrCat("deepstack: ", in.deepstack.size(),
-                                                     " tensors, the model injects ", levels));
-    }
-    for (size_t j = 0; j < in.deepstack.size(); ++j) {
-      st = check_rows(in.deepstack[j], absl::StrCat("deepstack ", j));
-      if (!st.ok()) return st;
-    }
-    if (p > 0 && in.positions == nullptr) {
-      return absl::InvalidArgumentError(
-          "positions: a prompt with image tokens needs MRoPE positions (GetRopeIndex)");
-    }
-  } else if (!in.deepstack.empty()) {
-    return absl::InvalidArgumentError("deepstack: given for a prompt without image tokens");
-  }
-  if (in.positions != nullptr && in.positions->size() != s) {
-    return absl::InvalidArgumentError(absl::StrCat("positions: ", in.positions->size(),
-                                                   " entries for ", s, " prompt tokens"));
-  }
-
-  const int64_t start_length = seq.length_, start_delta = seq.rope_delta_;
-  try {
-    const at::ScalarType dtype = ToScalarType(compute_dtype_);
-    at::Tensor positions;  // [3, S]
-    if (in.positions != nullptr) {
-      positions = in.positions->ToTensor();
-    } else {
-      positions = at::arange(start_length + start_delta, start_length + start_delta + s,
-                             at::TensorOptions().dtype(at::kLong))
-                      .unsqueeze(0)
-                      .expand({3, s});
-    }
-    at::Tensor image_embeds = p > 0 ? in.image_embeds.to(dtype) : at::Tensor();
-    std::vector<at::Tensor> deepstack;
-    if (p > 0) {
-      for (const at::Tensor& t : in.deepstack) deepstack.push_back(t.to(dtype));
-    }
-    const int64_t chunk = options_.prefill_chunk_tokens > 0 ? options_.prefill_chunk_tokens : s;
-    std::vector<at::Tensor> logits;  // per chunk when all_logits
-    at::Tensor last;
-    size_t pad_cursor = 0;  // first pad not yet consumed
-    for (int64_t c0 = 0; c0 < s; c0 += chunk) {
-      const int64_t n = std::min(chunk, s - c0);
-      // Image pads of this chunk: local rows and the matching embedding rows.
-      const size_t pad_begin = pad_cursor;
-      while (pad_cursor < pad_rows.size() && pad_rows[pad_cursor] < c0 + n) ++pad_cursor;
-      const int64_t v = static_cast<int64_t>(pad_cursor - pad_begin);
-      Pass pass;
-      pass.start = seq.length_;
-      std::tie(pass.cos, pass.sin) = rotary_->CosSin(positions.narrow(1, c0, n));
-      pass.visual = at::empty({v}, at::TensorOptions().dtype(at::kLong));
-      for (int64_t i = 0; i < v; ++i) pass.visual.data_ptr<int64_t>()[i] = pad_rows[pad_begin + i] - c0;
-
-      // §5.1: x = embed_tokens[ids]; the k-th image pad gets image_embeds row k.
-      at::Tensor x = Embed(in.token_ids.subspan(c0, n));  // [n, hidden]
-      if (v > 0) {
-        x.index_put_({pass.visual}, image_embeds.narrow(0, pad_begin, v));
-        for (const at::Tensor& t : deepstack) pass.deepstack.push_back(t.narrow(0, pad_begin, v));
-      }
-      x = RunLayers(seq, std::move(x), pass);
-      seq.length_ += n;
-      if (in.all_logits) {
-        logits.push_back(Head(nn::RmsNorm(x, final_norm_, c.rms_norm_eps)));
-      } else if (c0 + n == s) {
-        last = Head(nn::RmsNorm(x.narrow(0, n - 1, 1), final_norm_, c.rms_norm_eps))[0];
-      }
-    }
-    if (in.positions != nullptr) seq.rope_delta_ = in.positions->rope_delta;
-    return in.all_logits ? at::cat(logits, 0) : last;
-  } catch (const c10::Error& e) {
-    seq.length_ = start_length;
-    seq.rope_delta_ = start_delta;
-    return Internal("prefill", e);
-  }
-}
-
-absl::StatusOr<at::Tensor> Decoder::DecodeStep(Sequence& seq, int32_t token_id) const {
-  if (token_id < 0 || token_id >= vocab_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("token id ", token_id,
-                                                   " outside the vocabulary 0..", vocab_size() - 1));
-  }
-  if (seq.length_ >= seq.capacity_) {
-    return absl::OutOfRangeError(absl::StrCat("sequence is full: ", seq.capacity_, " tokens"));
-  }
-  try {
-    Pass pass;
-    pass.start = seq.length_;
-    pass.decode = true;
-    std::tie(pass.cos, pass.sin) = rotary_->CosSinText(seq.length_ + seq.rope_delta_, 1);
-    pass.visual = at::empty({0}, at::TensorOptions().dtype(at::kLong));
-    const int32_t ids[] = {token_id};
-    at::Tensor x = RunLayers(seq, Embed(ids), pass);  // [1, hidden]
-    seq.length_ += 1;
-    return Head(nn::RmsNorm(x, final_norm_, config_.text.rms_norm_eps))[0];
-  } catch (const c10::Error& e) {
-    return Internal("decode step", e);
-  }
+  return RowLinear(hidden, lm_head_).to(at::kFloat);
 }
 
 // ---------------------------------------------------------------------------
@@ -809,8 +524,8 @@ absl::Status Decoder::ValidateChunks(const KvStorage& kv,
         return absl::InvalidArgumentError(absl::StrCat(
             name, "token_ids[", t, "] is <|video_pad|>: video input is not supported"));
       }
-      // A decode token is embedded as is, as DecodeStep does (a generated
-      // image pad takes no image row).
+      // A decode token is embedded as is (a generated image pad takes no
+      // image row).
       pads += id == image_pad && !ch.decode;
     }
     const int64_t needed = (ch.start + n + bs - 1) / bs;
@@ -1154,9 +869,7 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
     // --- final norm and LM head (§5.4) for the rows that want logits --------
     at::Tensor hidden =
         RowRmsNorm(x.index_select(0, at::tensor(logit_rows, long_opts)), final_norm_, eps);
-    // GemvInt8, packed Gemm or Gemv: per-row results (row-invariant).
-    if (use_gemv_ || !packed_head_.empty() || !lm_head8_.empty()) return Head(hidden);
-    return RowLinear(hidden, lm_head_).to(at::kFloat);
+    return Head(hidden);
   } catch (const c10::Error& e) {
     return Internal("forward", e);
   }

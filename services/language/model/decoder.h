@@ -15,8 +15,8 @@
 // 2B): ids at or above the tokenizer's size (151669) are untrained padding and
 // NOT masked here; the sampler should mask them (spec §10.22).
 //
-// Thread-safety: Load'ed Decoder is immutable; Prefill/DecodeStep may run
-// concurrently on different Sequences (never on the same one).
+// Thread-safety: a Load'ed Decoder is immutable; Forward may run
+// concurrently on different KvStorages (never on the same one).
 #pragma once
 
 #include <cstdint>
@@ -77,12 +77,6 @@ struct DecoderOptions {
   // bfloat16 falls back to float32 (with a warning in load_summary) on CPUs
   // without fast bf16 matmuls.
   ComputeDType compute_dtype = ComputeDType::kBFloat16;
-  // Prompt tokens per prefill pass (activation memory ~ chunk x intermediate);
-  // 0 = the whole prompt in one pass. Results do not depend on it beyond
-  // floating-point summation order.
-  int64_t prefill_chunk_tokens = 512;
-  // Queries per attention tile inside a prefill pass.
-  int64_t attention_query_tile = 512;
   // The LM head and, with dense projections (matmul torch), decode-row
   // projections through vlm::Gemv (bf16 compute only); false: at::linear.
   bool use_gemv = true;
@@ -106,57 +100,9 @@ struct DecoderOptions {
   LayerStoreOptions layers;
 };
 
-// The KV cache and position state of one sequence (one request). Created by
-// Decoder::NewSequence with a fixed capacity; not thread-safe.
-class Sequence {
- public:
-  int64_t length() const { return length_; }      // tokens in the cache
-  int64_t capacity() const { return capacity_; }  // most tokens it can hold
-  // The next token, at cache index length(), sits at length() + rope_delta()
-  // on all three MRoPE axes (spec §6.1 decode rule).
-  int64_t rope_delta() const { return rope_delta_; }
-  uint64_t kv_bytes() const;  // bytes preallocated for K and V
-  // Empties the cache (keeps the allocation) for reuse by another request.
-  void Reset() {
-    length_ = 0;
-    rope_delta_ = 0;
-  }
-
- private:
-  friend class Decoder;
-  Sequence() = default;
-  int64_t length_ = 0;
-  int64_t capacity_ = 0;
-  int64_t rope_delta_ = 0;
-  // Per layer: [kv_heads, capacity, head_dim] in the compute dtype
-  // (head-major so a decode step reads each head's keys contiguously).
-  std::vector<at::Tensor> k_cache_, v_cache_;
-};
-
-struct PrefillInput {
-  // The prompt: S >= 1 token ids, image pads already expanded
-  // (ImageTokenCount per image).
-  absl::Span<const int32_t> token_ids;
-  // Projector outputs for the image pads in order of appearance: [P, hidden]
-  // with P = number of image_token_id in token_ids (undefined when P = 0),
-  // bfloat16 or float32 (cast to the compute dtype).
-  at::Tensor image_embeds;
-  // One [P, hidden] per deepstack level (config deepstack_visual_indexes
-  // count), added after decoder layer l to the image positions. Required
-  // when P > 0.
-  std::vector<at::Tensor> deepstack;
-  // MRoPE positions of the S tokens and the rope delta after them
-  // (GetRopeIndex). Required when P > 0; nullptr = text: the token at cache
-  // index s sits at s + rope_delta() of the sequence.
-  const RopeIndex* positions = nullptr;
-  // true: logits of every prompt position ([S, vocab]); false: of the last
-  // one only ([vocab]).
-  bool all_logits = false;
-};
-
-
 // ---------------------------------------------------------------------------
-// Batched forward over a paged KV cache (the serving engine's model runner).
+// The forward pass: batched, over a paged KV cache. The only way to run the
+// decoder (the serving engine's model runner, tests, benchmarks).
 // ---------------------------------------------------------------------------
 
 // The paged KV cache's storage: per layer, K as [num_blocks, kv_heads,
@@ -188,8 +134,7 @@ struct SequenceChunk {
   std::vector<at::Tensor> deepstack;
   // true: one generated token (n == 1); it takes the decode path (Gemv
   // projections in bf16) and is embedded as is (an image-pad id the model
-  // generated takes no image row, as in DecodeStep). false: prompt rows
-  // (prefill path).
+  // generated takes no image row). false: prompt rows (prefill path).
   bool decode = false;
   bool logits = false;  // return float32 logits of the chunk's last token
 };
@@ -241,25 +186,6 @@ class Decoder {
       const DecoderOptions& options = {});
   ~Decoder();
 
-  // A sequence holding up to `capacity` tokens (prompt + generated), 1 ..
-  // max_position_embeddings. The KV cache is allocated now (pages are only
-  // committed as they are written).
-  absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(int64_t capacity) const;
-
-  // Appends the prompt to `seq` (normally empty), chunked by
-  // prefill_chunk_tokens, and returns float32 logits of the last position
-  // ([vocab]) or of all positions ([S, vocab]). Sets seq.rope_delta() from
-  // input.positions. INVALID_ARGUMENT (naming the field) for: empty prompt,
-  // ids outside the vocabulary, video pads, more tokens than the sequence has
-  // room for, image embeddings / deepstack / positions not matching the
-  // prompt. On error the sequence is unchanged.
-  absl::StatusOr<at::Tensor> Prefill(Sequence& seq, const PrefillInput& input) const;
-
-  // Appends one token at cache index s = seq.length(), position
-  // s + seq.rope_delta(), and returns its float32 logits [vocab].
-  // OUT_OF_RANGE when the sequence is full.
-  absl::StatusOr<at::Tensor> DecodeStep(Sequence& seq, int32_t token_id) const;
-
   // Paged KV storage for `num_blocks` blocks of `block_size` tokens, reading
   // as zeros until written; memory is reserved as address space now and
   // committed page by page as blocks are first written. INVALID_ARGUMENT for
@@ -287,7 +213,6 @@ class Decoder {
   const std::string& load_summary() const { return load_summary_; }
 
  private:
-  struct Pass;
   struct Batch;
   Decoder() = default;
   absl::Status ValidateChunks(const KvStorage& kv, absl::Span<const SequenceChunk> chunks) const;
@@ -315,11 +240,7 @@ class Decoder {
   // Rows [0, result) of an int8 pass go through GemmInt8: the prefill rows
   // when int8_gemm_, else none.
   int64_t Int8GemmRows(int64_t np) const { return int8_gemm_ ? np : 0; }
-  // Runs S tokens (embedded: x [S, hidden]) through every layer, writing
-  // their K/V at cache indices seq.length_ .. + S - 1; returns [S, hidden].
-  at::Tensor RunLayers(Sequence& seq, at::Tensor x, const Pass& pass) const;
   at::Tensor Head(const at::Tensor& hidden) const;  // [R, hidden] -> [R, vocab] f32
-  at::Tensor Embed(absl::Span<const int32_t> ids) const;
 
   ModelConfig config_;
   ComputeDType compute_dtype_ = ComputeDType::kFloat32;

@@ -1,0 +1,103 @@
+#include "services/language/engine/generation_state.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace vlm::language {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+  }
+  return "unknown";
+}
+
+// ---------------------------------------------------------------------------
+// GenerationState
+// ---------------------------------------------------------------------------
+
+GenerationState::GenerationState(const GenerationRequest& request, const Tokenizer* tokenizer,
+                                 const GenerationStateConfig& config)
+    : request_(request), tokenizer_(tokenizer), config_(config),
+      sampler_(request.sampling, tokenizer->vocab_size(), request.prompt_ids),
+      detokenizer_(tokenizer, !request.include_special_tokens), stops_(request.stop) {
+  result_.prompt_tokens = static_cast<int64_t>(request.prompt_ids.size());
+  result_.seed = sampler_.seed();
+}
+
+TopLogprobEntry GenerationState::Entry(int32_t id, float logprob) const {
+  TopLogprobEntry entry;
+  entry.id = id;
+  entry.logprob = logprob;
+  const int32_t one[] = {id};
+  if (absl::StatusOr<std::string> text = tokenizer_->Decode(one); text.ok()) {
+    entry.token = *std::move(text);
+  }
+  return entry;
+}
+
+absl::StatusOr<GenerationState::Step> GenerationState::Next(absl::Span<const float> logits) {
+  const bool want_logprobs = request_.logprobs || request_.top_logprobs > 0;
+  const int32_t id = sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs);
+  sampler_.Accept(id);
+  last_token_ = id;
+  ++result_.completion_tokens;
+
+  Step step;
+  GenerationChunk& chunk = step.chunk;
+  chunk.token_ids.push_back(id);
+  if (want_logprobs) {
+    GeneratedTokenLogprob entry;
+    entry.chosen = Entry(id, lp_.logprob);
+    for (const auto& [alt, alt_lp] : lp_.top) entry.top.push_back(Entry(alt, alt_lp));
+    chunk.logprobs.push_back(std::move(entry));
+  }
+  if (!request_.ignore_eos &&
+      std::find(config_.eos_ids.begin(), config_.eos_ids.end(), id) != config_.eos_ids.end()) {
+    // The EOS token ends the text; its own text is never part of it.
+    result_.finish = FinishReason::kStop;
+    result_.finish_detail = "eos";
+    step.finished = true;
+  } else {
+    absl::StatusOr<std::string> delta = detokenizer_.Push(id);
+    if (!delta.ok()) return delta.status();
+    StopStringMatcher::Step s = stops_.Push(*delta);
+    chunk.text = std::move(s.text);
+    if (s.stopped) {
+      result_.finish = FinishReason::kStop;
+      result_.finish_detail = absl::StrCat("stop string ", s.stop_index);
+      stopped_by_string_ = step.finished = true;
+    }
+  }
+  if (!step.finished && result_.completion_tokens >= request_.max_tokens) {
+    result_.finish = FinishReason::kLength;
+    result_.finish_detail = "max_tokens";
+    step.finished = true;
+  }
+  return step;
+}
+
+void GenerationState::Finish() {
+  if (stopped_by_string_) return;
+  // Bytes of an unfinished character become U+FFFD; that tail can still
+  // complete a stop string.
+  StopStringMatcher::Step step = stops_.Push(detokenizer_.Finish());
+  result_.tail_text = std::move(step.text);
+  if (step.stopped) {
+    result_.finish = FinishReason::kStop;
+    result_.finish_detail = absl::StrCat("stop string ", step.stop_index);
+  } else {
+    result_.tail_text += stops_.Flush();
+  }
+}
+
+}  // namespace vlm::language
