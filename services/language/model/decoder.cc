@@ -89,9 +89,10 @@ Decoder::~Decoder() = default;
 // Loading
 // ---------------------------------------------------------------------------
 
-absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
-    std::shared_ptr<const SafetensorsCheckpoint> checkpoint, const ModelConfig& config,
-    const DecoderOptions& options) {
+namespace {
+
+// The text config fields the decoder relies on, checked before any tensor.
+absl::Status CheckTextConfig(const ModelConfig& config) {
   const TextConfig& c = config.text;
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_hidden_layers <= 0 ||
       c.num_attention_heads <= 0 || c.num_key_value_heads <= 0 || c.head_dim <= 0 ||
@@ -119,6 +120,15 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   if (config.vision.deepstack_visual_indexes.size() > static_cast<size_t>(c.num_hidden_layers)) {
     return absl::InvalidArgumentError("more deepstack levels than decoder layers");
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
+    std::shared_ptr<const SafetensorsCheckpoint> checkpoint, const ModelConfig& config,
+    const DecoderOptions& options) {
+  if (absl::Status s = CheckTextConfig(config); !s.ok()) return s;
   absl::StatusOr<std::string> prefix = LanguagePrefix(*checkpoint);
   if (!prefix.ok()) return prefix.status();
 
@@ -128,19 +138,64 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   d->checkpoint_ = checkpoint;
   std::string warning;
   d->compute_dtype_ = ChooseComputeDType(options.compute_dtype, &warning);
+  std::string tie_rule, embed_source;
+  if (absl::Status s = d->LoadEmbeddingAndNorm(*prefix, &tie_rule, &embed_source); !s.ok()) {
+    return s;
+  }
+  std::string matmul_note;
+  absl::StatusOr<LayerStoreOptions> layer_options = d->ChooseProjectionForm(warning, &matmul_note);
+  if (!layer_options.ok()) return layer_options.status();
   const at::ScalarType dtype = ToScalarType(d->compute_dtype_);
-  const SafetensorsCheckpoint& ckpt = *checkpoint;
-  const std::vector<int64_t> table = {c.vocab_size, c.hidden_size};
+  absl::StatusOr<std::unique_ptr<LayerStore>> store =
+      LayerStore::Create(checkpoint, config.text, *prefix, dtype, *layer_options);
+  if (!store.ok()) return store.status();
+  d->layers_ = *std::move(store);
+  d->use_gemv_ = options.use_gemv && dtype == at::kBFloat16;
+  std::string head_note;
+  if (absl::Status s = d->PrepareHead(layer_options->form, embed_source, &head_note); !s.ok()) {
+    return s;
+  }
+  const TextConfig& c = config.text;
+  d->load_summary_ = absl::StrCat(
+      "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
+      ", layers ",
+      layer_options->form != ProjectionForm::kDense
+          ? "converted on materialization (dense projection pages released)"
+          : d->layers_->in_place() ? "in place (zero copy)" : "converted on materialization",
+      ", ", tie_rule, ", ", matmul_note,
+      layer_options->form == ProjectionForm::kDense
+          ? absl::StrCat(", decode projections ",
+                         d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath()))
+                                      : "at::linear")
+          : "",
+      ", LM head ", head_note,
+      options.layers.eager_load ? ", eager" : ", lazy",
+      options.layers.resident_layers > 0
+          ? absl::StrCat(", at most ", options.layers.resident_layers, " layers resident")
+          : "");
+  if (!warning.empty()) absl::StrAppend(&d->load_summary_, " (", warning, ")");
+  return d;
+}
 
+// The head rule (spec §2: tied -> embed_tokens, else lm_head, for both roles;
+// untied -> both required), the embedding, the (untied) head and the final norm.
+absl::Status Decoder::LoadEmbeddingAndNorm(const std::string& prefix, std::string* tie_rule_out,
+                                           std::string* embed_source_out) {
+  const TextConfig& c = config_.text;
+  const ModelConfig& config = config_;
+  const DecoderOptions& options = options_;
+  const at::ScalarType dtype = ToScalarType(compute_dtype_);
+  const SafetensorsCheckpoint& ckpt = *checkpoint_;
+  const std::vector<int64_t> table = {c.vocab_size, c.hidden_size};
   // Head rule (spec §2): tied -> embed_tokens (else lm_head) for both roles;
   // untied -> both required.
-  const std::string embed_name = *prefix + "embed_tokens.weight";
+  const std::string embed_name = prefix + "embed_tokens.weight";
   const std::string head_name = "lm_head.weight";
   const bool has_embed = ckpt.Has(embed_name), has_head = ckpt.Has(head_name);
-  d->tied_ = config.tie_word_embeddings;
+  tied_ = config.tie_word_embeddings;
   std::string tie_rule;
   std::string embed_source = embed_name;
-  if (d->tied_) {
+  if (tied_) {
     if (!has_embed && !has_head) {
       return absl::NotFoundError(absl::StrCat("tied head: neither ", embed_name, " nor ",
                                               head_name, " is in the checkpoint"));
@@ -164,45 +219,55 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     bool borrowed = false;
     absl::StatusOr<at::Tensor> embed = FetchTensor(ckpt, embed_source, dtype, &borrowed);
     if (!embed.ok()) return embed.status();
-    d->embed_tokens_ = *std::move(embed);
+    embed_tokens_ = *std::move(embed);
     if (borrowed) {
       absl::Status s = options.touch_embedding || options.layers.eager_load
                            ? ckpt.Touch(embed_source)
                            : ckpt.Prefetch(embed_source);
       if (!s.ok()) return s;
     }
-    d->embedding_bytes_ = d->embed_tokens_.nbytes();
-    if (d->tied_) {
-      d->lm_head_ = d->embed_tokens_;
+    embedding_bytes_ = embed_tokens_.nbytes();
+    if (tied_) {
+      lm_head_ = embed_tokens_;
     } else {
       info = CheckTensor(ckpt, head_name, table);
       if (!info.ok()) return info.status();
       absl::StatusOr<at::Tensor> head = FetchTensor(ckpt, head_name, dtype, &borrowed);
       if (!head.ok()) return head.status();
-      d->lm_head_ = *std::move(head);
+      lm_head_ = *std::move(head);
       if (borrowed) {
         absl::Status s = options.touch_embedding || options.layers.eager_load
                              ? ckpt.Touch(head_name)
                              : ckpt.Prefetch(head_name);
         if (!s.ok()) return s;
       }
-      d->embedding_bytes_ += d->lm_head_.nbytes();
+      embedding_bytes_ += lm_head_.nbytes();
     }
-    const std::string norm_name = *prefix + "norm.weight";
+    const std::string norm_name = prefix + "norm.weight";
     info = CheckTensor(ckpt, norm_name, {c.hidden_size});
     if (!info.ok()) return info.status();
     absl::StatusOr<at::Tensor> norm = FetchTensor(ckpt, norm_name, dtype);
     if (!norm.ok()) return norm.status();
-    d->final_norm_ = *std::move(norm);
-    d->embedding_bytes_ += d->final_norm_.nbytes();
-    WeightBytesResidentGauge("embedding").Set(static_cast<double>(d->embedding_bytes_));
+    final_norm_ = *std::move(norm);
+    embedding_bytes_ += final_norm_.nbytes();
+    WeightBytesResidentGauge("embedding").Set(static_cast<double>(embedding_bytes_));
 
-    d->rotary_ = std::make_unique<MultimodalRotary>(c);
+    rotary_ = std::make_unique<MultimodalRotary>(c);
   } catch (const c10::Error& e) {
     return Internal("decoder load", e);
   }
 
-  // Projection form (MatmulPath, WeightDType above).
+  *tie_rule_out = tie_rule;
+  *embed_source_out = embed_source;
+  return absl::OkStatus();
+}
+
+// The layers' projection form from weight_dtype and matmul (and what the CPU
+// runs), with a note for the load summary.
+absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::string& warning,
+                                                                std::string* matmul_note_out) {
+  const DecoderOptions& options = options_;
+  const at::ScalarType dtype = ToScalarType(compute_dtype_);
   LayerStoreOptions layer_options = options.layers;
   layer_options.form = ProjectionForm::kDense;
   std::string matmul_note;
@@ -210,7 +275,7 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     if (dtype != at::kBFloat16) {
       return absl::InvalidArgumentError(absl::StrCat(
           "weight_dtype int8 needs compute dtype bf16 (compute is ",
-          ComputeDTypeName(d->compute_dtype_),
+          ComputeDTypeName(compute_dtype_),
           warning.empty() ? "" : absl::StrCat(": ", warning),
           "); float32 is the unquantized fidelity reference"));
     }
@@ -220,11 +285,11 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     }
     layer_options.form = ProjectionForm::kInt8;
     const kernels::GemmPath gemm = kernels::DefaultGemmPath();
-    d->int8_gemm_ = options.int8_prefill_gemm && gemm != kernels::GemmPath::kTorch;
+    int8_gemm_ = options.int8_prefill_gemm && gemm != kernels::GemmPath::kTorch;
     matmul_note = absl::StrCat(
         "int8 projections (decode rows gemv_int8/",
         kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ", prefill rows ",
-        d->int8_gemm_ ? absl::StrCat("gemm_int8/", kernels::GemmPathName(gemm))
+        int8_gemm_ ? absl::StrCat("gemm_int8/", kernels::GemmPathName(gemm))
                       : std::string("gemv_int8"),
         ")");
   } else if (options.matmul != MatmulPath::kTorch) {
@@ -232,7 +297,7 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     const bool blocked = gemm != kernels::GemmPath::kTorch;
     if (options.matmul == MatmulPath::kKernels && dtype != at::kBFloat16) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "matmul kernels computes in bf16 but compute is ", ComputeDTypeName(d->compute_dtype_),
+          "matmul kernels computes in bf16 but compute is ", ComputeDTypeName(compute_dtype_),
           warning.empty() ? "" : absl::StrCat(" (", warning, ")"),
           "; float32 runs on at::linear (matmul torch or auto)"));
     }
@@ -249,70 +314,55 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     }
   }
   if (matmul_note.empty()) matmul_note = "dense projections (at::linear)";
-  absl::StatusOr<std::unique_ptr<LayerStore>> store =
-      LayerStore::Create(checkpoint, c, *prefix, dtype, layer_options);
-  if (!store.ok()) return store.status();
-  d->layers_ = *std::move(store);
+  *matmul_note_out = matmul_note;
+  return layer_options;
+}
 
-  d->use_gemv_ = options.use_gemv && dtype == at::kBFloat16;
-
+absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_source,
+                                  std::string* head_note_out) {
+  const DecoderOptions& options = options_;
+  const SafetensorsCheckpoint& ckpt = *checkpoint_;
+  const std::string head_name = "lm_head.weight";
   // The LM head: int8 with int8 layers (int8_lm_head), else on the packed
   // GEMM with the layers (packed or int8 forms). Either way lookups read
   // single embedding rows from the mapping from now on; the head's dense
   // pages are no longer needed in memory.
   std::string head_note =
-      d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear";
-  const bool int8_head = layer_options.form == ProjectionForm::kInt8 && options.int8_lm_head;
-  if (int8_head || (options.packed_head && layer_options.form != ProjectionForm::kDense &&
+      use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear";
+  const bool int8_head = form == ProjectionForm::kInt8 && options.int8_lm_head;
+  if (int8_head || (options.packed_head && form != ProjectionForm::kDense &&
                     kernels::DefaultGemmPath() != kernels::GemmPath::kTorch)) {
     try {
       uint64_t head_bytes = 0;
       if (int8_head) {
-        absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(d->lm_head_);
+        absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(lm_head_);
         if (!head.ok()) return head.status();
-        d->lm_head8_ = *std::move(head);
-        head_bytes = d->lm_head8_.bytes();
+        lm_head8_ = *std::move(head);
+        head_bytes = lm_head8_.bytes();
         head_note = absl::StrCat("int8 (gemv_int8/",
                                  kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
       } else {
-        absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(d->lm_head_);
+        absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(lm_head_);
         if (!head.ok()) return head.status();
-        d->packed_head_ = *std::move(head);
-        head_bytes = d->packed_head_.bytes();
-        head_note = absl::StrCat("gemm/", kernels::GemmPathName(d->packed_head_.path()));
+        packed_head_ = *std::move(head);
+        head_bytes = packed_head_.bytes();
+        head_note = absl::StrCat("gemm/", kernels::GemmPathName(packed_head_.path()));
       }
-      if (d->tied_) {
-        d->embedding_bytes_ += head_bytes;
+      if (tied_) {
+        embedding_bytes_ += head_bytes;
         (void)ckpt.Evict(embed_source);  // view or converted: drops the mapped pages
       } else {
-        d->embedding_bytes_ += head_bytes - d->lm_head_.nbytes();
+        embedding_bytes_ += head_bytes - lm_head_.nbytes();
         (void)ckpt.Evict(head_name);
-        d->lm_head_ = at::Tensor();
+        lm_head_ = at::Tensor();
       }
-      WeightBytesResidentGauge("embedding").Set(static_cast<double>(d->embedding_bytes_));
+      WeightBytesResidentGauge("embedding").Set(static_cast<double>(embedding_bytes_));
     } catch (const c10::Error& e) {
       return Internal("LM head packing", e);
     }
   }
-  d->load_summary_ = absl::StrCat(
-      "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
-      ", layers ",
-      layer_options.form != ProjectionForm::kDense
-          ? "converted on materialization (dense projection pages released)"
-          : d->layers_->in_place() ? "in place (zero copy)" : "converted on materialization",
-      ", ", tie_rule, ", ", matmul_note,
-      layer_options.form == ProjectionForm::kDense
-          ? absl::StrCat(", decode projections ",
-                         d->use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath()))
-                                      : "at::linear")
-          : "",
-      ", LM head ", head_note,
-      options.layers.eager_load ? ", eager" : ", lazy",
-      options.layers.resident_layers > 0
-          ? absl::StrCat(", at most ", options.layers.resident_layers, " layers resident")
-          : "");
-  if (!warning.empty()) absl::StrAppend(&d->load_summary_, " (", warning, ")");
-  return d;
+  *head_note_out = head_note;
+  return absl::OkStatus();
 }
 
 uint64_t Decoder::decode_weight_bytes() const {
@@ -463,8 +513,8 @@ void ScatterKeys(const at::Tensor& k, const at::Tensor& cache,
 
 }  // namespace
 
-absl::Status Decoder::ValidateChunks(const KvStorage& kv,
-                                     absl::Span<const SequenceChunk> chunks) const {
+// The KV storage has this decoder's geometry and dtype (what NewKvStorage makes).
+absl::Status Decoder::ValidateKvStorage(const KvStorage& kv) const {
   const TextConfig& c = config_.text;
   const at::ScalarType dtype = ToScalarType(compute_dtype_);
   const int64_t layers = c.num_hidden_layers;
@@ -491,6 +541,13 @@ absl::Status Decoder::ValidateChunks(const KvStorage& kv,
       }
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Decoder::ValidateChunks(const KvStorage& kv,
+                                     absl::Span<const SequenceChunk> chunks) const {
+  if (absl::Status s = ValidateKvStorage(kv); !s.ok()) return s;
+  const TextConfig& c = config_.text;
   const int32_t image_pad = static_cast<int32_t>(config_.image_token_id);
   const int32_t video_pad = static_cast<int32_t>(config_.video_token_id);
   const size_t levels = config_.vision.deepstack_visual_indexes.size();
@@ -752,6 +809,31 @@ void Decoder::AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const
   }
 }
 
+// Writes the pass's K and V rows into their blocks: V [blocks, Hkv,
+// block_size, D], K [blocks, Hkv, D, block_size]; row i goes to its block's slot.
+void Decoder::WriteKv(KvStorage& kv, int layer, const at::Tensor& k, const at::Tensor& v,
+                      const Batch& b) const {
+  const int64_t hkv = config_.text.num_key_value_heads, d = config_.text.head_dim;
+  const int64_t bs = kv.block_size, r = b.rows();
+  const size_t elem = v.element_size();
+  char* vc = static_cast<char*>(kv.v[layer].data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t i = 0; i < r; ++i) {
+    const int64_t p = b.cache_index[i];
+    const int64_t block = b.table[i][p / bs];
+    for (int64_t g = 0; g < hkv; ++g) {
+      const size_t dst = static_cast<size_t>(((block * hkv + g) * bs + p % bs) * d) * elem;
+      const size_t src = static_cast<size_t>((i * hkv + g) * d) * elem;
+      std::memcpy(vc + dst, vs + src, d * elem);
+    }
+  }
+  if (elem == 2) {
+    ScatterKeys<uint16_t>(k, kv.k[layer], b.cache_index, b.table, bs);
+  } else {
+    ScatterKeys<uint32_t>(k, kv.k[layer], b.cache_index, b.table, bs);
+  }
+}
+
 absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
                                             absl::Span<const SequenceChunk> chunks) const {
   if (absl::Status s = ValidateChunks(kv, chunks); !s.ok()) return s;
@@ -759,7 +841,6 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
   const TextConfig& c = config_.text;
   const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
   const double eps = c.rms_norm_eps;
-  const int64_t bs = kv.block_size;
   try {
     const at::ScalarType dtype = ToScalarType(compute_dtype_);
     const auto long_opts = at::TensorOptions().dtype(at::kLong);
@@ -817,7 +898,6 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
 
     PagedAttentionOptions attention;
     attention.scale = 1.0 / std::sqrt(static_cast<double>(d));
-    const size_t elem = x.element_size();
     for (int l = 0; l < layers_->num_layers(); ++l) {
       absl::StatusOr<LayerStore::Handle> handle = layers_->Acquire(l);
       TORCH_CHECK(handle.ok(), "layer ", l, ": ", handle.status().ToString());
@@ -832,24 +912,7 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
       at::Tensor k = RowRmsNorm(kp.view({r * hkv, d}), w.k_norm, eps).view({r, hkv, d});
       RowRotaryInPlace(q, b.cos, b.sin);
       RowRotaryInPlace(k, b.cos, b.sin);
-      // Cache: V [blocks, Hkv, block_size, D], K [blocks, Hkv, D, block_size];
-      // row i goes to its block's slot.
-      char* vc = static_cast<char*>(kv.v[l].data_ptr());
-      const char* vs = static_cast<const char*>(v.data_ptr());
-      for (int64_t i = 0; i < r; ++i) {
-        const int64_t p = b.cache_index[i];
-        const int64_t block = b.table[i][p / bs];
-        for (int64_t g = 0; g < hkv; ++g) {
-          const size_t dst = static_cast<size_t>(((block * hkv + g) * bs + p % bs) * d) * elem;
-          const size_t src = static_cast<size_t>((i * hkv + g) * d) * elem;
-          std::memcpy(vc + dst, vs + src, d * elem);
-        }
-      }
-      if (elem == 2) {
-        ScatterKeys<uint16_t>(k, kv.k[l], b.cache_index, b.table, bs);
-      } else {
-        ScatterKeys<uint32_t>(k, kv.k[l], b.cache_index, b.table, bs);
-      }
+      WriteKv(kv, l, k, v, b);
       at::Tensor o = PagedAttention(q, kv.k[l], kv.v[l], b.runs, attention).view({r, hq * d});
       AddAttentionOut(b.prefill_rows, b.decode_rows, w, o, x);
 

@@ -216,6 +216,9 @@ class Decoder {
   struct Batch;
   Decoder() = default;
   absl::Status ValidateChunks(const KvStorage& kv, absl::Span<const SequenceChunk> chunks) const;
+  absl::Status ValidateKvStorage(const KvStorage& kv) const;
+  void WriteKv(KvStorage& kv, int layer, const at::Tensor& k, const at::Tensor& v,
+               const Batch& b) const;
   // ys[i] = h·ws[i]ᵀ over a Forward pass's rows, prefill and decode rows apart.
   // np prefill rows first, then nd decode rows. Dense weights only.
   std::vector<at::Tensor> Project(int64_t np, int64_t nd, const at::Tensor& h,
@@ -240,6 +243,14 @@ class Decoder {
   // Rows [0, result) of an int8 pass go through GemmInt8: the prefill rows
   // when int8_gemm_, else none.
   int64_t Int8GemmRows(int64_t np) const { return int8_gemm_ ? np : 0; }
+  // Load's steps: the embedding, head and final norm by the tie rule; the
+  // layers' projection form; the LM head in the form the layers use.
+  absl::Status LoadEmbeddingAndNorm(const std::string& prefix, std::string* tie_rule,
+                                    std::string* embed_source);
+  absl::StatusOr<LayerStoreOptions> ChooseProjectionForm(const std::string& warning,
+                                                         std::string* matmul_note);
+  absl::Status PrepareHead(ProjectionForm form, const std::string& embed_source,
+                           std::string* head_note);
   at::Tensor Head(const at::Tensor& hidden) const;  // [R, hidden] -> [R, vocab] f32
 
   ModelConfig config_;
