@@ -228,6 +228,57 @@ LanguageService::~LanguageService() {
   engine_.reset();  // stops the engine thread before the runner and model go
 }
 
+// The paged KV cache: --kv_cache_mb split into blocks of --kv_block_size tokens.
+absl::StatusOr<int64_t> LanguageService::KvBlocks(int64_t block_size, uint64_t per_token) const {
+  const uint64_t budget = static_cast<uint64_t>(std::max<int64_t>(0, options_.kv_cache_mb)) << 20;
+  int64_t num_blocks = static_cast<int64_t>(budget / (per_token * block_size));
+  // Never more than every admitted sequence could hold at once at full
+  // context. The storage is only reserved at startup (pages are committed as
+  // blocks are first used), but blocks past that bound would only ever hold
+  // prefix-cache entries, growing the process without serving a request.
+  const int64_t most = (max_context_ + block_size - 1) / block_size *
+                       (std::max(1, options_.max_sequences) + std::max(0, options_.max_queue));
+  if (num_blocks > most) {
+    LogInfo(kLog, "KV cache capped to what admitted sequences can use",
+            {{"kv_cache_mb", static_cast<long long>(options_.kv_cache_mb)},
+             {"blocks", static_cast<long long>(most)},
+             {"rule", "(max_sequences + max_queue) x max_context tokens"}});
+    num_blocks = most;
+  }
+  if (num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_cache_mb=", options_.kv_cache_mb, " holds no KV block of ", block_size,
+        " tokens (", per_token * block_size, " bytes each)"));
+  }
+  return num_blocks;
+}
+
+// The checkpoint's mapping and the decoder over it (layers load lazily).
+absl::Status LanguageService::LoadDecoder() {
+  const std::string& dir = options_.model_dir;
+  LoadPhaseTimer timer("language_decoder");
+  absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> checkpoint =
+      SafetensorsCheckpoint::Open(dir);
+  if (!checkpoint.ok()) return checkpoint.status();
+  checkpoint_ = std::shared_ptr<const SafetensorsCheckpoint>(std::move(*checkpoint));
+  DecoderOptions decoder_options;
+  decoder_options.compute_dtype = options_.compute_dtype;
+  decoder_options.use_gemv = options_.use_gemv;
+  decoder_options.matmul = options_.matmul;
+  decoder_options.weight_dtype = options_.weight_dtype;
+  decoder_options.int8_prefill_gemm = options_.int8_prefill_gemm;
+  decoder_options.touch_embedding = options_.eager_load;
+  decoder_options.layers.eager_load = options_.eager_load;
+  decoder_options.layers.resident_layers = options_.resident_layers;
+  decoder_options.layers.prefetch_layers = options_.prefetch_layers;
+  absl::StatusOr<std::unique_ptr<Decoder>> decoder =
+      Decoder::Load(checkpoint_, config_, decoder_options);
+  if (!decoder.ok()) return decoder.status();
+  decoder_ = *std::move(decoder);
+  LogInfo(kLog, "decoder loaded", {{"summary", decoder_->load_summary()}});
+  return absl::OkStatus();
+}
+
 absl::Status LanguageService::Load() {
   const std::string& dir = options_.model_dir;
   if (dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
@@ -264,28 +315,7 @@ absl::Status LanguageService::Load() {
     }
     if (!config_.tie_warning.empty()) LogWarning(kLog, config_.tie_warning);
   }
-  {
-    LoadPhaseTimer timer("language_decoder");
-    absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> checkpoint =
-        SafetensorsCheckpoint::Open(dir);
-    if (!checkpoint.ok()) return checkpoint.status();
-    checkpoint_ = std::shared_ptr<const SafetensorsCheckpoint>(std::move(*checkpoint));
-    DecoderOptions decoder_options;
-    decoder_options.compute_dtype = options_.compute_dtype;
-    decoder_options.use_gemv = options_.use_gemv;
-    decoder_options.matmul = options_.matmul;
-    decoder_options.weight_dtype = options_.weight_dtype;
-    decoder_options.int8_prefill_gemm = options_.int8_prefill_gemm;
-    decoder_options.touch_embedding = options_.eager_load;
-    decoder_options.layers.eager_load = options_.eager_load;
-    decoder_options.layers.resident_layers = options_.resident_layers;
-    decoder_options.layers.prefetch_layers = options_.prefetch_layers;
-    absl::StatusOr<std::unique_ptr<Decoder>> decoder =
-        Decoder::Load(checkpoint_, config_, decoder_options);
-    if (!decoder.ok()) return decoder.status();
-    decoder_ = *std::move(decoder);
-    LogInfo(kLog, "decoder loaded", {{"summary", decoder_->load_summary()}});
-  }
+  if (absl::Status s = LoadDecoder(); !s.ok()) return s;
 
   readiness_->SetNotServing(kLanguageServiceName, "projector warming up");
   {
@@ -323,29 +353,11 @@ absl::Status LanguageService::Load() {
   }
   max_context_ = std::min<int64_t>(options_.max_context, config_.text.max_position_embeddings);
 
-  // The paged KV cache: --kv_cache_mb split into blocks of --kv_block_size tokens.
   const int64_t block_size = std::max<int64_t>(1, options_.kv_block_size);
   const uint64_t per_token = decoder_->kv_bytes_per_token();
-  const uint64_t budget = static_cast<uint64_t>(std::max<int64_t>(0, options_.kv_cache_mb)) << 20;
-  int64_t num_blocks = static_cast<int64_t>(budget / (per_token * block_size));
-  // Never more than every admitted sequence could hold at once at full
-  // context. The storage is only reserved at startup (pages are committed as
-  // blocks are first used), but blocks past that bound would only ever hold
-  // prefix-cache entries, growing the process without serving a request.
-  const int64_t most = (max_context_ + block_size - 1) / block_size *
-                       (std::max(1, options_.max_sequences) + std::max(0, options_.max_queue));
-  if (num_blocks > most) {
-    LogInfo(kLog, "KV cache capped to what admitted sequences can use",
-            {{"kv_cache_mb", static_cast<long long>(options_.kv_cache_mb)},
-             {"blocks", static_cast<long long>(most)},
-             {"rule", "(max_sequences + max_queue) x max_context tokens"}});
-    num_blocks = most;
-  }
-  if (num_blocks < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv_cache_mb=", options_.kv_cache_mb, " holds no KV block of ", block_size,
-        " tokens (", per_token * block_size, " bytes each)"));
-  }
+  absl::StatusOr<int64_t> blocks = KvBlocks(block_size, per_token);
+  if (!blocks.ok()) return blocks.status();
+  const int64_t num_blocks = *blocks;
   {
     LoadPhaseTimer timer("language_kv_cache");
     absl::StatusOr<std::unique_ptr<DecoderRunner>> runner =
@@ -556,6 +568,53 @@ grpc::Status LanguageService::CountTokensRaw(grpc::ServerContext* context, RawSt
   return status;
 }
 
+namespace {
+
+// One streamed delta: text, token ids, logprobs.
+v1::GenerateResponse ChunkResponse(const GenerationChunk& chunk) {
+  v1::GenerateResponse response;
+  response.set_text(chunk.text);
+  for (int32_t id : chunk.token_ids) response.add_token_ids(id);
+  for (const GeneratedTokenLogprob& lp : chunk.logprobs) {
+    v1::TokenLogprob* out = response.add_logprobs();
+    out->set_token_id(lp.chosen.id);
+    out->set_token(lp.chosen.token);
+    out->set_logprob(lp.chosen.logprob);
+    for (const TopLogprobEntry& alt : lp.top) {
+      v1::TopLogprob* t = out->add_top();
+      t->set_token_id(alt.id);
+      t->set_token(alt.token);
+      t->set_logprob(alt.logprob);
+    }
+  }
+  return response;
+}
+
+// The stream's last message: the held-back text, finish reason, usage, timings.
+v1::GenerateResponse FinalResponse(const GenerationResult& result, int64_t prompt_tokens,
+                                   int64_t image_tokens, double queue_ms, double first_token_ms,
+                                   double total_ms) {
+  v1::GenerateResponse last;
+  last.set_text(result.tail_text);
+  last.set_finish_reason(ToProto(result.finish));
+  v1::Usage* usage = last.mutable_usage();
+  usage->set_prompt_tokens(static_cast<int32_t>(prompt_tokens));
+  usage->set_image_tokens(static_cast<int32_t>(image_tokens));
+  usage->set_completion_tokens(static_cast<int32_t>(result.completion_tokens));
+  usage->set_total_tokens(static_cast<int32_t>(prompt_tokens + result.completion_tokens));
+  usage->set_cached_prompt_tokens(static_cast<int32_t>(result.cached_prompt_tokens));
+  v1::LanguageTimings* timings = last.mutable_timings();
+  timings->set_queue_ms(queue_ms);
+  timings->set_projector_ms(result.projector_ms);
+  timings->set_prefill_ms(result.prefill_ms);
+  timings->set_first_token_ms(first_token_ms);
+  timings->set_decode_ms(result.decode_ms);
+  timings->set_total_ms(total_ms);
+  return last;
+}
+
+}  // namespace
+
 grpc::Status LanguageService::RunGenerate(
     grpc::ServerContext* context, Clock::time_point arrival, const v1::GenerateRequest& request,
     const std::function<bool(const v1::GenerateResponse&)>& write) {
@@ -586,22 +645,7 @@ grpc::Status LanguageService::RunGenerate(
     }
     last_token = now;
     sent += static_cast<int64_t>(chunk.token_ids.size());
-    v1::GenerateResponse response;
-    response.set_text(chunk.text);
-    for (int32_t id : chunk.token_ids) response.add_token_ids(id);
-    for (const GeneratedTokenLogprob& lp : chunk.logprobs) {
-      v1::TokenLogprob* out = response.add_logprobs();
-      out->set_token_id(lp.chosen.id);
-      out->set_token(lp.chosen.token);
-      out->set_logprob(lp.chosen.logprob);
-      for (const TopLogprobEntry& alt : lp.top) {
-        v1::TopLogprob* t = out->add_top();
-        t->set_token_id(alt.id);
-        t->set_token(alt.token);
-        t->set_logprob(alt.logprob);
-      }
-    }
-    return write(response);
+    return write(ChunkResponse(chunk));
   };
 
   // Forward the engine's events; cancellation and deadlines are polled (gRPC's
@@ -687,23 +731,8 @@ grpc::Status LanguageService::RunGenerate(
                                      " tokens"));
   }
 
-  v1::GenerateResponse last;
-  last.set_text(result.tail_text);
-  last.set_finish_reason(ToProto(result.finish));
-  v1::Usage* usage = last.mutable_usage();
-  usage->set_prompt_tokens(static_cast<int32_t>(prompt_tokens));
-  usage->set_image_tokens(static_cast<int32_t>(prepared->image_tokens));
-  usage->set_completion_tokens(static_cast<int32_t>(result.completion_tokens));
-  usage->set_total_tokens(static_cast<int32_t>(prompt_tokens + result.completion_tokens));
-  usage->set_cached_prompt_tokens(static_cast<int32_t>(result.cached_prompt_tokens));
-  v1::LanguageTimings* timings = last.mutable_timings();
-  timings->set_queue_ms(queue_ms);
-  timings->set_projector_ms(result.projector_ms);
-  timings->set_prefill_ms(result.prefill_ms);
-  timings->set_first_token_ms(first_token_ms);
-  timings->set_decode_ms(result.decode_ms);
-  timings->set_total_ms(total_ms);
-  write(last);
+  write(FinalResponse(result, prompt_tokens, prepared->image_tokens, queue_ms, first_token_ms,
+                      total_ms));
   return grpc::Status::OK;
 }
 

@@ -116,6 +116,9 @@ class LanguageService final : public v1::Language::Service {
   using RawStream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
   grpc::Status GenerateRaw(grpc::ServerContext* context, RawStream* stream);
   grpc::Status CountTokensRaw(grpc::ServerContext* context, RawStream* stream);
+  // KV blocks for --kv_cache_mb (capped at what admitted sequences can use).
+  absl::Status LoadDecoder();
+  absl::StatusOr<int64_t> KvBlocks(int64_t block_size, uint64_t per_token) const;
   grpc::Status RunGenerate(grpc::ServerContext* context,
                            std::chrono::steady_clock::time_point arrival,
                            const v1::GenerateRequest& request,
