@@ -223,6 +223,12 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   if (deadline == absl::InfiniteFuture() && options_.default_deadline != absl::InfiniteDuration()) {
     deadline = start + options_.default_deadline;
   }
+  if (absl::Status s = CheckImageCost(request, options_.limits.image_cost, deadline - absl::Now());
+      !s.ok()) {
+    metrics.rejected.Add({{"reason", absl::IsDeadlineExceeded(s) ? "deadline" : "invalid_argument"}})
+        .Increment();
+    return ToGrpcStatus(s);
+  }
 
   // --- admission -----------------------------------------------------------
   absl::StatusOr<Admission::Permit> permit =
@@ -297,6 +303,7 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
                                            r.features().grid().w() / (merge * merge)));
     result.set_vision_ms(job.vision_ms);
     result.set_replica(r.replica().empty() ? job.outcome.replica : r.replica());
+    *result.mutable_budget() = r.options();
     metrics.images.Add({{"cache", CacheLevelLabel(r.cache())}}).Increment();
     if (r.cache() != v1::CACHE_LEVEL_MISS && r.cache() != v1::CACHE_LEVEL_UNSPECIFIED) {
       ++record->cache_hits;
