@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -22,6 +23,11 @@ CpuFeatures Detect() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = __builtin_cpu_supports("fma");
+  f.f16c = __builtin_cpu_supports("f16c");
+#if defined(__GNUC__) && __GNUC__ >= 12
+  f.avxvnni = __builtin_cpu_supports("avxvnni");
+#endif
   f.avx512f = __builtin_cpu_supports("avx512f");
   f.avx512bw = __builtin_cpu_supports("avx512bw");
   f.avx512vl = __builtin_cpu_supports("avx512vl");
@@ -37,7 +43,35 @@ CpuFeatures Detect() {
   return f;
 }
 
+CpuFeatures DetectCapped() {
+  const CpuFeatures& detected = GetDetectedCpuFeatures();
+  const char* env = std::getenv("VLM_ISA");
+  if (env == nullptr) return detected;
+  absl::StatusOr<CpuFeatures> capped = CapCpuFeatures(detected, env);
+  if (!capped.ok()) {
+    std::fprintf(stderr, "VLM_ISA ignored: %s\n", std::string(capped.status().message()).c_str());
+    return detected;
+  }
+  return *capped;
+}
+
 }  // namespace
+
+absl::StatusOr<CpuFeatures> CapCpuFeatures(const CpuFeatures& detected, std::string_view isa) {
+  std::string v(isa);
+  for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  CpuFeatures f = detected;
+  if (v.empty() || v == "native") return f;
+  if (v != "avx2" && v != "scalar") {
+    return absl::InvalidArgumentError("VLM_ISA must be native, avx2 or scalar, got \"" +
+                                      std::string(isa) + "\"");
+  }
+  f.isa_cap = v;
+  f.avx512f = f.avx512bw = f.avx512vl = f.avx512dq = f.avx512bf16 = f.avx512vnni = false;
+  f.amx_bf16 = f.amx_int8 = f.amx_tile = false;
+  if (v == "scalar") f.avx2 = f.fma = f.f16c = f.avxvnni = false;
+  return f;
+}
 
 std::string CpuFeatures::Describe() const {
   std::string s;
@@ -47,6 +81,8 @@ std::string CpuFeatures::Describe() const {
     s += name;
   };
   add(avx2, "avx2");
+  add(fma, "fma");
+  add(avxvnni, "avxvnni");
   add(avx512f, "avx512f");
   add(avx512bw, "avx512bw");
   add(avx512vl, "avx512vl");
@@ -56,12 +92,20 @@ std::string CpuFeatures::Describe() const {
   add(amx_bf16, "amx-bf16");
   add(amx_int8, "amx-int8");
   if (s.empty()) s = "(no avx2/avx512)";
-  s += fast_bf16_matmul() ? " -> bf16 matmul: oneDNN AVX-512" : " -> bf16 matmul: slow, use float32";
+  if (!isa_cap.empty()) s += " (capped by VLM_ISA=" + isa_cap + ")";
+  s += fast_bf16_matmul() ? " -> bf16 compute: AVX-512 kernels"
+       : avx2_fma()       ? " -> bf16 compute: AVX2 kernels (bf16 widened to f32 in registers)"
+                          : " -> bf16 compute: unavailable, float32";
   return s;
 }
 
-const CpuFeatures& GetCpuFeatures() {
+const CpuFeatures& GetDetectedCpuFeatures() {
   static const CpuFeatures features = Detect();
+  return features;
+}
+
+const CpuFeatures& GetCpuFeatures() {
+  static const CpuFeatures features = DetectCapped();
   return features;
 }
 
@@ -101,10 +145,15 @@ int UsableCores() {
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof set, &set) == 0) cores = CPU_COUNT(&set);
   if (cores <= 0) cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  // cgroup v2: "max 100000" (no limit) or "<quota> <period>".
-  std::ifstream cpu_max("/sys/fs/cgroup/cpu.max");
+  // cgroup v2: "max 100000" (no limit) or "<quota> <period>"; cgroup v1:
+  // cpu.cfs_quota_us (-1: no limit) and cpu.cfs_period_us.
   std::string quota, period;
-  if (cpu_max >> quota >> period && quota != "max") {
+  std::ifstream cpu_max("/sys/fs/cgroup/cpu.max");
+  if (!(cpu_max >> quota >> period)) {
+    std::ifstream q1("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), p1("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+    if (!(q1 >> quota && p1 >> period)) quota = "max";
+  }
+  if (quota != "max") {
     const double q = std::atof(quota.c_str()), p = std::atof(period.c_str());
     if (q > 0 && p > 0) {
       const int limit = static_cast<int>(std::ceil(q / p));
@@ -114,15 +163,32 @@ int UsableCores() {
   return cores > 0 ? cores : 1;
 }
 
-ComputeDType ChooseComputeDType(ComputeDType requested, std::string* warning) {
-  if (requested == ComputeDType::kBFloat16 && !GetCpuFeatures().fast_bf16_matmul()) {
+ComputeDType ChooseComputeDTypeFor(const CpuFeatures& f, ComputeDType requested,
+                                   std::string* warning) {
+  if (requested == ComputeDType::kBFloat16 && !f.fast_bf16_matmul() && !f.avx2_fma()) {
     if (warning) {
-      *warning = "bfloat16 compute requested but this CPU lacks AVX-512 (BW/VL/DQ) [" +
-                 GetCpuFeatures().Describe() + "]; computing in float32";
+      *warning = "bfloat16 compute requested but this CPU has neither AVX-512 nor AVX2 + FMA [" +
+                 f.Describe() + "]; computing in float32 (weights take twice the memory)";
     }
     return ComputeDType::kFloat32;
   }
   return requested;
+}
+
+ComputeDType ChooseComputeDType(ComputeDType requested, std::string* warning) {
+  std::string why;
+  const ComputeDType chosen = ChooseComputeDTypeFor(GetCpuFeatures(), requested, &why);
+  if (!why.empty()) {
+    // A precision change the operator did not ask for: say it on stderr
+    // once per process whatever the caller does with the text.
+    static const bool logged = [&why] {
+      std::fprintf(stderr, "WARNING: %s\n", why.c_str());
+      return true;
+    }();
+    (void)logged;
+    if (warning != nullptr) *warning = why;
+  }
+  return chosen;
 }
 
 absl::StatusOr<ComputeDType> ParseComputeDType(std::string_view value) {

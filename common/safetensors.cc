@@ -414,6 +414,95 @@ class SafetensorsLoader {
     return infos;
   }
 
+  // One tensor's header entry: dtype, shape and data_offsets, checked against
+  // the data section (offsets relative to data_start, data_size bytes).
+  static absl::StatusOr<TensorInfo> ParseTensorEntry(const std::string& name,
+                                                     const Json& entry,
+                                                     const std::string& where, int file_index,
+                                                     uint64_t data_start, uint64_t data_size) {
+    TensorInfo info;
+    info.name = name;
+    info.file_index = file_index;
+
+    auto dtype_it = entry.find("dtype");
+    if (dtype_it == entry.end()) return absl::InvalidArgumentError(absl::StrCat(where, ": missing \"dtype\""));
+    if (!dtype_it->is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": \"dtype\" must be a string, got ", dtype_it->dump()));
+    }
+    auto dtype = ParseStDType(dtype_it->get<std::string>());
+    if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", dtype.status().message()));
+    info.dtype = *dtype;
+
+    auto shape_it = entry.find("shape");
+    if (shape_it == entry.end()) return absl::InvalidArgumentError(absl::StrCat(where, ": missing \"shape\""));
+    if (!shape_it->is_array()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": \"shape\" must be an array, got ", shape_it->dump()));
+    }
+    for (const auto& d : *shape_it) {
+      auto dim = JsonIndex(d, "shape dimension", where);
+      if (!dim.ok()) return dim.status();
+      if (*dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": shape dimension ", *dim, " is too large"));
+      }
+      info.shape.push_back(static_cast<int64_t>(*dim));
+    }
+
+    auto off_it = entry.find("data_offsets");
+    if (off_it == entry.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": missing \"data_offsets\""));
+    }
+    if (!off_it->is_array() || off_it->size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": \"data_offsets\" must be [begin, end], got ", off_it->dump()));
+    }
+    auto begin = JsonIndex((*off_it)[0], "data_offsets begin", where);
+    if (!begin.ok()) return begin.status();
+    auto end = JsonIndex((*off_it)[1], "data_offsets end", where);
+    if (!end.ok()) return end.status();
+    if (*begin > *end) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": data_offsets begin ", *begin, " is after end ", *end));
+    }
+    if (*end > data_size) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets [", *begin, ", ", *end,
+                                                     "] run past the data section of ", data_size,
+                                                     " bytes (file truncated?)"));
+    }
+    auto nbytes = CheckedNbytes(info.shape, info.dtype);
+    if (!nbytes.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", nbytes.status().message()));
+    if (*end - *begin != *nbytes) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets span ", *end - *begin,
+                                                     " bytes but shape ", ShapeString(info.shape), " x ",
+                                                     StDTypeName(info.dtype), " needs ", *nbytes));
+    }
+    info.data_begin = data_start + *begin;
+    info.data_end = data_start + *end;
+    return info;
+  }
+
+  static absl::Status CheckNoOverlap(const std::vector<TensorInfo>& infos, const std::string& path,
+                                     uint64_t data_start) {
+    // No byte may belong to two tensors. Empty tensors own no bytes.
+    std::vector<const TensorInfo*> by_offset;
+    for (const auto& info : infos) {
+      if (info.nbytes() > 0) by_offset.push_back(&info);
+    }
+    std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
+      return a->data_begin != b->data_begin ? a->data_begin < b->data_begin : a->data_end < b->data_end;
+    });
+    const TensorInfo* reach = nullptr;  // the tensor ending furthest so far
+    for (const TensorInfo* info : by_offset) {
+      if (reach != nullptr && info->data_begin < reach->data_end) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ": tensors ", Quote(reach->name), " [", reach->data_begin - data_start, ", ",
+            reach->data_end - data_start, ") and ", Quote(info->name), " [", info->data_begin - data_start, ", ",
+            info->data_end - data_start, ") overlap"));
+      }
+      if (reach == nullptr || info->data_end > reach->data_end) reach = info;
+    }
+    return absl::OkStatus();
+  }
+
   static absl::StatusOr<std::vector<TensorInfo>> ParseHeader(const MappedFile& file, int file_index,
                                                              std::map<std::string, std::string>* metadata) {
     const std::string& path = file.path();
@@ -458,84 +547,13 @@ class SafetensorsLoader {
       if (!entry.is_object()) {
         return absl::InvalidArgumentError(absl::StrCat(where, ": entry must be an object, got ", entry.type_name()));
       }
-      TensorInfo info;
-      info.name = name;
-      info.file_index = file_index;
-
-      auto dtype_it = entry.find("dtype");
-      if (dtype_it == entry.end()) return absl::InvalidArgumentError(absl::StrCat(where, ": missing \"dtype\""));
-      if (!dtype_it->is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": \"dtype\" must be a string, got ", dtype_it->dump()));
-      }
-      auto dtype = ParseStDType(dtype_it->get<std::string>());
-      if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", dtype.status().message()));
-      info.dtype = *dtype;
-
-      auto shape_it = entry.find("shape");
-      if (shape_it == entry.end()) return absl::InvalidArgumentError(absl::StrCat(where, ": missing \"shape\""));
-      if (!shape_it->is_array()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": \"shape\" must be an array, got ", shape_it->dump()));
-      }
-      for (const auto& d : *shape_it) {
-        auto dim = JsonIndex(d, "shape dimension", where);
-        if (!dim.ok()) return dim.status();
-        if (*dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ": shape dimension ", *dim, " is too large"));
-        }
-        info.shape.push_back(static_cast<int64_t>(*dim));
-      }
-
-      auto off_it = entry.find("data_offsets");
-      if (off_it == entry.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": missing \"data_offsets\""));
-      }
-      if (!off_it->is_array() || off_it->size() != 2) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": \"data_offsets\" must be [begin, end], got ", off_it->dump()));
-      }
-      auto begin = JsonIndex((*off_it)[0], "data_offsets begin", where);
-      if (!begin.ok()) return begin.status();
-      auto end = JsonIndex((*off_it)[1], "data_offsets end", where);
-      if (!end.ok()) return end.status();
-      if (*begin > *end) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": data_offsets begin ", *begin, " is after end ", *end));
-      }
-      if (*end > data_size) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets [", *begin, ", ", *end,
-                                                       "] run past the data section of ", data_size,
-                                                       " bytes (file truncated?)"));
-      }
-      auto nbytes = CheckedNbytes(info.shape, info.dtype);
-      if (!nbytes.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", nbytes.status().message()));
-      if (*end - *begin != *nbytes) {
-        return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets span ", *end - *begin,
-                                                       " bytes but shape ", ShapeString(info.shape), " x ",
-                                                       StDTypeName(info.dtype), " needs ", *nbytes));
-      }
-      info.data_begin = data_start + *begin;
-      info.data_end = data_start + *end;
-      infos.push_back(std::move(info));
+      absl::StatusOr<TensorInfo> info =
+          ParseTensorEntry(name, entry, where, file_index, data_start, data_size);
+      if (!info.ok()) return info.status();
+      infos.push_back(*std::move(info));
     }
 
-    // No byte may belong to two tensors. Empty tensors own no bytes.
-    std::vector<const TensorInfo*> by_offset;
-    for (const auto& info : infos) {
-      if (info.nbytes() > 0) by_offset.push_back(&info);
-    }
-    std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
-      return a->data_begin != b->data_begin ? a->data_begin < b->data_begin : a->data_end < b->data_end;
-    });
-    const TensorInfo* reach = nullptr;  // the tensor ending furthest so far
-    for (const TensorInfo* info : by_offset) {
-      if (reach != nullptr && info->data_begin < reach->data_end) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            path, ": tensors ", Quote(reach->name), " [", reach->data_begin - data_start, ", ",
-            reach->data_end - data_start, ") and ", Quote(info->name), " [", info->data_begin - data_start, ", ",
-            info->data_end - data_start, ") overlap"));
-      }
-      if (reach == nullptr || info->data_end > reach->data_end) reach = info;
-    }
+    if (absl::Status s = CheckNoOverlap(infos, path, data_start); !s.ok()) return s;
     return infos;
   }
 };

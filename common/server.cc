@@ -30,10 +30,14 @@
 #include "common/grpc_status.h"
 #include "common/log.h"
 
+// Each service sets its own defaults before parsing (help shows them as
+// "currently"), so the three started with defaults on one host do not collide.
 ABSL_FLAG(std::string, grpc_address, "0.0.0.0:50051",
-          "gRPC listen address host:port (port 0 picks a free port)");
+          "gRPC listen address host:port (port 0 picks a free port); default per service: "
+          "gateway 0.0.0.0:50051, vision 0.0.0.0:50052, language 0.0.0.0:50053");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
-          "HTTP address for /metrics, /healthz and /readyz (port 0 picks one; empty disables)");
+          "HTTP address for /metrics, /healthz and /readyz (port 0 picks one; empty disables); "
+          "default per service: gateway 0.0.0.0:9090, vision 0.0.0.0:9091, language 0.0.0.0:9092");
 ABSL_FLAG(int, max_message_mb, 128, "largest gRPC message sent or received, in MiB");
 ABSL_FLAG(double, drain_timeout_s, 25,
           "after SIGTERM, seconds that running RPCs get to finish before they are cancelled");

@@ -50,8 +50,11 @@
 // certificates signed by that CA (mTLS), --tls_refresh_s is how often the files
 // are re-read (rotation without a restart). The metrics HTTP port stays plain
 // HTTP: it carries /metrics, /healthz and /readyz for scrapers and probes.
-// Clients may send HTTP/2 keepalive pings every >= 1 s, with or without calls. A service with other defaults sets them
-// before ParseCommandLine: absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052").
+// Clients may send HTTP/2 keepalive pings every >= 1 s, with or without calls.
+// Every service sets its own default addresses before ParseCommandLine, e.g.
+// absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052"): gateway 50051 / 9090,
+// vision 50052 / 9091, language 50053 / 9092 (gRPC / metrics), so the three
+// started with their defaults on one host form a working system.
 #ifndef VLM_COMMON_SERVER_H_
 #define VLM_COMMON_SERVER_H_
 

@@ -7,7 +7,7 @@
 #                             on its seeds and regressions (ctest -L fuzz)
 #
 # TARGET is image, safetensors, model_config, tensor_codec, tokenizer,
-# chat_template or gateway_validation (a trailing _fuzzer is accepted).
+# chat_template, gateway_validation or grammar (a trailing _fuzzer is accepted).
 # SECONDS defaults to 60. The build is clang with -DVLM_FUZZ=ON
 # -DVLM_SANITIZE=address,undefined in its own directory, and only the target
 # and what it links are built. The run keeps its corpus in
@@ -24,7 +24,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${VLM_FUZZ_BUILD_DIR:-$ROOT/build-fuzz}"
-TARGETS=(image safetensors model_config tensor_codec tokenizer chat_template gateway_validation)
+TARGETS=(image safetensors model_config tensor_codec tokenizer chat_template gateway_validation grammar)
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 configure() {

@@ -16,6 +16,10 @@
 #   VLM_SANITIZE_BUILD_DIR  build directory of a sanitizer build (default:
 #                       build-asan or build-tsan)
 #   VLM_TEST_JOBS       parallel tests (default: 2)
+# Results, skipped tests with their reason included, are also written as JUnit
+# XML to BUILD_DIR/Testing/ctest-junit.xml (.ci/run prints the skipped ones).
+# A gtest binary is one ctest test and each of its cases another one
+# (NAME/Suite.Case, see vlm_add_test in CMakeLists.txt).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 sanitize=""
@@ -29,7 +33,8 @@ if [[ -z "$sanitize" ]]; then
   BUILD_DIR="${VLM_BUILD_DIR:-$ROOT/build}"
   "$ROOT/scripts/build.sh"
   cd "$BUILD_DIR"
-  exec ctest --output-on-failure -j "${VLM_TEST_JOBS:-2}" "$@"
+  exec ctest --output-on-failure -j "${VLM_TEST_JOBS:-2}" \
+    --output-junit "$BUILD_DIR/Testing/ctest-junit.xml" "$@"
 fi
 
 case "$sanitize" in
@@ -52,11 +57,13 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$SUPP/
 if [[ "$kind" == asan ]]; then
   VLM_BUILD_DIR="$BUILD_DIR" "$ROOT/scripts/build.sh"
   cd "$BUILD_DIR"
-  exec ctest --output-on-failure -j "${VLM_TEST_JOBS:-2}" -LE '^(slow|deploy|memory_bound)$' "$@"
+  exec ctest --output-on-failure -j "${VLM_TEST_JOBS:-2}" -LE '^(slow|deploy|memory_bound)$' \
+    --output-junit "$BUILD_DIR/Testing/ctest-junit.xml" "$@"
 fi
 
-# TSan: build only the binaries of the tests labelled concurrency (test names
-# are target names for C++ tests) and the checkpoint tool their fixtures use.
+# TSan: build only the binaries of the tests labelled concurrency (a gtest
+# binary's test name is its target name; its per-case tests NAME/Suite.Case
+# match no target and drop out) and the checkpoint tool their fixtures use.
 # Configure first so that tests added since the last build are listed.
 cmake -S "$ROOT" -B "$BUILD_DIR" >/dev/null
 mapfile -t targets < <(
@@ -68,4 +75,5 @@ if [[ ${#targets[@]} -eq 0 ]]; then
 fi
 VLM_BUILD_DIR="$BUILD_DIR" "$ROOT/scripts/build.sh" "${targets[@]}"
 cd "$BUILD_DIR"
-exec ctest --output-on-failure -j "${VLM_TEST_JOBS:-2}" -L '^concurrency$' "$@"
+exec ctest --output-on-failure -j "${VLM_TEST_JOBS:-2}" -L '^concurrency$' \
+  --output-junit "$BUILD_DIR/Testing/ctest-junit.xml" "$@"

@@ -159,6 +159,133 @@ VLM_TARGET void AttendBlock(const uint16_t* q, int64_t q_ld, const PackedKv& kv,
   _mm256_zeroupper();
 }
 
+// ---------------------------------------------------------------------------
+// AVX2 + FMA: the same algorithm on 8-lane vectors, with the avx2 GEMM
+// micro-kernel (bf16 widened to f32 in registers) for QKᵀ and PV.
+
+#define VLM_TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+VLM_TARGET_AVX2 inline float ReduceMax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+VLM_TARGET_AVX2 inline float ReduceAdd8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+// Lanes [0, valid - c) of 8 set (all ones), the rest clear.
+VLM_TARGET_AVX2 inline __m256 LiveMask(int64_t valid, int64_t c) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t n = std::clamp<int64_t>(valid - c, 0, 8);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx));
+}
+
+VLM_TARGET_AVX2 void AttendBlockAvx2(const uint16_t* q, int64_t q_ld, const PackedKv& kv,
+                                     int64_t len, int64_t d, float scale, int64_t rows,
+                                     uint16_t* out, int64_t out_ld, Scratch& s) {
+  const int64_t dpad = kv.value_panels * kPanelCols;
+  s.scores.resize(kQueryBlock * kKeyBlock);
+  s.probs.resize(kQueryBlock * kKeyBlock);
+  s.out.assign(kQueryBlock * dpad, 0.0f);
+  s.row_max.assign(kQueryBlock, -std::numeric_limits<float>::infinity());
+  s.row_sum.assign(kQueryBlock, 0.0f);
+  const int64_t kpairs_k = (d + 31) / 32 * 16;
+  const int64_t kpairs_v = (len + kKeyBlock - 1) / kKeyBlock * kKeyBlock / 2;
+  const int64_t key_panel_elems = kpairs_k * 2 * kPanelCols;
+  const int64_t value_panel_elems = kpairs_v * 2 * kPanelCols;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t k0 = 0; k0 < len; k0 += kKeyBlock) {
+    const int64_t valid = std::min(kKeyBlock, len - k0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMicroRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMicroRows, rows - r0));
+      for (int64_t j = 0; j < kKeyPanels; ++j) {
+        if (j * kPanelCols >= valid) break;
+        const uint16_t* panel = kv.keys + (k0 / kPanelCols + j) * key_panel_elems;
+        internal::MicroTileAvx2(q + r0 * q_ld, q_ld, mr, d, panel, s.acc);
+        for (int r = 0; r < mr; ++r) {
+          std::memcpy(&s.scores[(r0 + r) * kKeyBlock + j * kPanelCols], s.acc + r * kPanelCols,
+                      kPanelCols * sizeof(float));
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* srow = &s.scores[r * kKeyBlock];
+      __m256 vmax = neg_inf;
+      for (int64_t c = 0; c < kKeyBlock; c += 8) {
+        const __m256 v = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(srow + c), vscale),
+                                          LiveMask(valid, c));
+        _mm256_storeu_ps(srow + c, v);
+        vmax = _mm256_max_ps(vmax, v);
+      }
+      const float old_max = s.row_max[r];
+      const float new_max = std::max(old_max, ReduceMax8(vmax));
+      const float alpha = std::exp(old_max - new_max);  // 0 on the first block
+      const __m256 m = _mm256_set1_ps(new_max);
+      __m256 vsum = _mm256_setzero_ps();
+      uint16_t* prow = &s.probs[r * kKeyBlock];
+      for (int64_t c = 0; c < kKeyBlock; c += 8) {
+        const __m256 e = _mm256_and_ps(LiveMask(valid, c),
+                                       internal::Exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + c), m)));
+        // round to bf16 (nearest even; e is finite and non-negative); the sum
+        // counts the rounded probabilities P·V will use
+        __m256i bits = _mm256_castps_si256(e);
+        bits = _mm256_add_epi32(
+            bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                   _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
+        bits = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+        vsum = _mm256_add_ps(vsum, _mm256_castsi256_ps(bits));
+        const __m256i w = _mm256_packus_epi32(_mm256_srli_epi32(bits, 16), _mm256_srli_epi32(bits, 16));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(prow + c),
+                         _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0xD8)));
+      }
+      s.row_max[r] = new_max;
+      s.row_sum[r] = s.row_sum[r] * alpha + ReduceAdd8(vsum);
+      if (alpha != 1.0f) {
+        float* orow = &s.out[r * dpad];
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t c = 0; c < dpad; c += 8) {
+          _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), va));
+        }
+      }
+    }
+    const int64_t pair0 = k0 / 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += kMicroRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMicroRows, rows - r0));
+      for (int64_t j = 0; j < kv.value_panels; ++j) {
+        const uint16_t* panel = kv.values + j * value_panel_elems + pair0 * 2 * kPanelCols;
+        internal::MicroTileAvx2(&s.probs[r0 * kKeyBlock], kKeyBlock, mr, kKeyBlock, panel, s.acc);
+        for (int r = 0; r < mr; ++r) {
+          float* orow = &s.out[(r0 + r) * dpad + j * kPanelCols];
+          const float* a = s.acc + r * kPanelCols;
+          for (int c = 0; c < kPanelCols; c += 8) {
+            _mm256_storeu_ps(orow + c, _mm256_add_ps(_mm256_loadu_ps(orow + c), _mm256_loadu_ps(a + c)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / s.row_sum[r];
+    const float* orow = &s.out[r * dpad];
+    uint16_t* dst = out + r * out_ld;
+    for (int64_t c = 0; c < d; ++c) {
+      const float f = orow[c] * inv;
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);
+      bits += 0x7FFF + ((bits >> 16) & 1);
+      dst[c] = static_cast<uint16_t>(bits >> 16);
+    }
+  }
+  _mm256_zeroupper();
+}
+
 absl::Status Check(const at::Tensor& t, const char* name, const at::Tensor& q) {
   if (!t.defined() || t.device().type() != at::kCPU || t.dim() != 3 ||
       t.scalar_type() != at::kBFloat16) {
@@ -179,9 +306,13 @@ absl::Status Check(const at::Tensor& t, const char* name, const at::Tensor& q) {
   return absl::OkStatus();
 }
 
+// The AVX-512 BF16 kernel where it can run, else the AVX2 one (VLM_ISA caps
+// both through GetCpuFeatures).
+bool UseAvx512() { return GemmPathSupported(GemmPath::kAvx512Bf16); }
+
 }  // namespace
 
-bool FlashAttentionSupported() { return GemmPathSupported(GemmPath::kAvx512Bf16); }
+bool FlashAttentionSupported() { return UseAvx512() || GemmPathSupported(GemmPath::kAvx2); }
 
 absl::StatusOr<at::Tensor> SegmentedFlashAttention(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v,
@@ -201,7 +332,7 @@ absl::StatusOr<at::Tensor> SegmentedFlashAttention(const at::Tensor& q, const at
     }
   }
   if (!FlashAttentionSupported()) {
-    return absl::FailedPreconditionError("flash attention needs AVX-512 BF16");
+    return absl::FailedPreconditionError("flash attention needs AVX-512 BF16 or AVX2 + FMA");
   }
   try {
     at::Tensor out = at::empty({n, heads, d}, q.options());
@@ -259,6 +390,7 @@ absl::StatusOr<at::Tensor> SegmentedFlashAttention(const at::Tensor& q, const at
     }
     auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float fscale = static_cast<float>(scale);
+    const bool avx512 = UseAvx512();
     ParallelFor(static_cast<int64_t>(tasks.size()), threads, 1, [&](int64_t t0, int64_t t1) {
       thread_local Scratch scratch;
       for (int64_t t = t0; t < t1; ++t) {
@@ -266,9 +398,15 @@ absl::StatusOr<at::Tensor> SegmentedFlashAttention(const at::Tensor& q, const at
         const int64_t q0 = tasks[t].second;
         const int64_t rows = std::min(kQueryBlock, it.len - q0);
         const int64_t row = it.begin + q0;
-        AttendBlock(qd + row * q.stride(0) + it.head * q.stride(1), q.stride(0), it.kv, it.len, d,
-                    kpairs_k, it.kpairs_v, fscale, rows,
-                    od + row * out.stride(0) + it.head * out.stride(1), out.stride(0), scratch);
+        const uint16_t* qp = qd + row * q.stride(0) + it.head * q.stride(1);
+        uint16_t* op = od + row * out.stride(0) + it.head * out.stride(1);
+        if (avx512) {
+          AttendBlock(qp, q.stride(0), it.kv, it.len, d, kpairs_k, it.kpairs_v, fscale, rows, op,
+                      out.stride(0), scratch);
+        } else {
+          AttendBlockAvx2(qp, q.stride(0), it.kv, it.len, d, fscale, rows, op, out.stride(0),
+                          scratch);
+        }
       }
     });
     return out;

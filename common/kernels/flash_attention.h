@@ -8,7 +8,8 @@
 // Numerics: softmax(q·kᵀ·scale)·v with scores and softmax in f32; the
 // unnormalised probabilities are rounded to bf16 for the P·V product (as the
 // reference rounds the normalised ones), the output is divided by the row sum
-// in f32 and rounded once to bf16. Needs AVX-512 BF16 (FlashAttentionSupported).
+// in f32 and rounded once to bf16. Runs on AVX-512 BF16 or, without it, on
+// AVX2 + FMA (bf16 widened to f32 in registers; FlashAttentionSupported).
 // Thread-safe; work is split over common/kernels/thread_pool.h.
 #pragma once
 
@@ -21,7 +22,7 @@
 
 namespace vlm::kernels {
 
-// True when this CPU runs the kernel (AVX-512 BF16).
+// True when this CPU runs the kernel (AVX-512 BF16, or AVX2 + FMA).
 bool FlashAttentionSupported();
 
 // q, k, v: [N, H, D] bf16, unit stride along D (any strides on N and H, e.g.

@@ -1,8 +1,9 @@
 // Gemm dispatch, weight packing and the work split; the ISA kernels live in
-// gemm_avx512bf16.cc and gemm_amx.cc.
+// gemm_avx512bf16.cc, gemm_amx.cc and gemm_avx2.cc.
 #include "common/kernels/gemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,11 +19,6 @@
 #include "common/kernels/thread_pool.h"
 
 namespace vlm::kernels {
-
-// AMX joins the automatic choice only once a run on an AMX machine has
-// verified it (gemm_test with VLM_GEMM_PATH unset passes there and
-// vlm-bench-gemm shows it ahead): then set this to true.
-constexpr bool kAmxInAutomaticChoice = false;
 
 using internal::kPanelCols;
 
@@ -191,17 +187,18 @@ const char* GemmPathName(GemmPath path) {
     case GemmPath::kAmx: return "amx";
     case GemmPath::kAvx512Bf16: return "avx512bf16";
     case GemmPath::kTorch: return "torch";
+    case GemmPath::kAvx2: return "avx2";
   }
   return "?";
 }
 
 absl::StatusOr<GemmPath> ParseGemmPath(std::string_view name) {
   if (name == "auto") return AutoGemmPath();
-  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kTorch}) {
+  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kAvx2, GemmPath::kTorch}) {
     if (name == GemmPathName(p)) return p;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown gemm path '", std::string(name),
-                                                 "'; expected amx, avx512bf16, torch or auto"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown gemm path '", std::string(name), "'; expected amx, avx512bf16, avx2, torch or auto"));
 }
 
 bool GemmPathSupported(GemmPath path, std::string* missing) {
@@ -218,25 +215,74 @@ bool GemmPathSupported(GemmPath path, std::string* missing) {
     case GemmPath::kAmx:
       if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16)) {
         why = "AVX-512 BF16 (the AMX path's epilogue uses it)";
-      } else if (!RequestAmxPermission(&why)) {
+      } else if (internal::AmxBlockOverride() == nullptr && !RequestAmxPermission(&why)) {
         // why already says it
       }
       break;
+    case GemmPath::kAvx2:
+      if (!f.avx2_fma()) why = "AVX2 and FMA";
+      break;
   }
+  if (!why.empty() && !f.isa_cap.empty()) absl::StrAppend(&why, " (VLM_ISA=", f.isa_cap, ")");
   if (!why.empty() && missing != nullptr) *missing = why;
   return why.empty();
 }
 
+// --- AMX selection ----------------------------------------------------------
+// AMX is never part of AutoGemmPath: it becomes the default only through
+// SetDefaultGemmPath, which the services' start-up check (kernel_path.h) calls
+// after the AMX path has agreed with avx512bf16 and beaten it on this machine.
+
 GemmPath AutoGemmPath() {
-  if (kAmxInAutomaticChoice && GemmPathSupported(GemmPath::kAmx)) return GemmPath::kAmx;
   if (GemmPathSupported(GemmPath::kAvx512Bf16)) return GemmPath::kAvx512Bf16;
+  // AVX-512 without BF16 keeps oneDNN's AVX-512 bf16 matmul; below that the
+  // AVX2 kernels (oneDNN's bf16 there is ~50x slower than f32).
+  if (!GetCpuFeatures().fast_bf16_matmul() && GemmPathSupported(GemmPath::kAvx2)) {
+    return GemmPath::kAvx2;
+  }
   return GemmPath::kTorch;
 }
 
+namespace {
+
+// -1: not yet read from VLM_GEMM_PATH / AutoGemmPath().
+std::atomic<int> default_path{-1};
+std::atomic<internal::BlockKernel> amx_block_override{nullptr};
+
+}  // namespace
+
 GemmPath DefaultGemmPath() {
-  static const GemmPath path = ReadDefaultPath();
-  return path;
+  int p = default_path.load(std::memory_order_acquire);
+  if (p < 0) {
+    static const GemmPath first = ReadDefaultPath();
+    int expected = -1;
+    default_path.compare_exchange_strong(expected, static_cast<int>(first),
+                                         std::memory_order_acq_rel);
+    p = default_path.load(std::memory_order_acquire);
+  }
+  return static_cast<GemmPath>(p);
 }
+
+absl::Status SetDefaultGemmPath(GemmPath path) {
+  std::string missing;
+  if (!GemmPathSupported(path, &missing)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("gemm path ", GemmPathName(path), " is not usable here: ", missing));
+  }
+  default_path.store(static_cast<int>(path), std::memory_order_release);
+  return absl::OkStatus();
+}
+
+namespace internal {
+
+void SetAmxBlockKernel(BlockKernel kernel) {
+  amx_block_override.store(kernel, std::memory_order_release);
+}
+
+BlockKernel AmxBlockOverride() { return amx_block_override.load(std::memory_order_acquire); }
+
+}  // namespace internal
+// --- end of AMX selection ---------------------------------------------------
 
 // ---------------------------------------------------------------------------
 // PackedWeight
@@ -309,7 +355,7 @@ constexpr int64_t kMaxTilesPerTask = 24;
 // the fewest row blocks of at most kMaxTilesPerTask tiles (a block boundary
 // never changes what a row computes).
 int64_t RowsPerTask(GemmPath path, int64_t m) {
-  if (path == GemmPath::kAmx) return kRowsPerTask;
+  if (path == GemmPath::kAmx || path == GemmPath::kAvx2) return kRowsPerTask;
   const int64_t tiles = (m + internal::kMicroRows - 1) / internal::kMicroRows;
   const int64_t blocks = (tiles + kMaxTilesPerTask - 1) / kMaxTilesPerTask;
   return (tiles + blocks - 1) / blocks * internal::kMicroRows;
@@ -407,7 +453,12 @@ void RunBlocked(const Problem& p, int64_t m, GemmPath path, const GemmOptions& o
   const int64_t chunks = (count + chunk - 1) / chunk;
   const int64_t rows_per_task = RowsPerTask(path, m);
   const int64_t row_blocks = (m + rows_per_task - 1) / rows_per_task;
-  auto block = path == GemmPath::kAmx ? AmxBlock : Avx512Bf16Block;
+  BlockKernel block = Avx512Bf16Block;
+  if (path == GemmPath::kAmx) {
+    block = AmxBlockOverride() != nullptr ? AmxBlockOverride() : AmxBlock;
+  } else if (path == GemmPath::kAvx2) {
+    block = Avx2Block;
+  }
   if (source == nullptr) {
     // Task t: row block t / chunks, panel chunk t % chunks. A thread's
     // contiguous share is whole row blocks (its rows of x stay in its L2

@@ -12,15 +12,22 @@
 //               fewer than 12 rows walk each panel over the whole K instead.
 //   amx         AMX-BF16 tiles (TDPBF16PS, 32x32 output blocks); Sapphire Rapids and
 //               later, after the kernel grants tile state (arch_prctl). Shares the
-//               blocked layout with avx512bf16. NOT in the automatic choice until a
-//               run on an AMX machine has verified it: flip kAmxInAutomaticChoice in
-//               gemm.cc; VLM_GEMM_PATH=amx forces it.
+//               blocked layout with avx512bf16. Not in AutoGemmPath(): a service
+//               makes it the default only after its start-up check (kernel_path.h)
+//               found it agreeing with avx512bf16 and faster; VLM_GEMM_PATH=amx or
+//               --kernel_path=amx forces it. Tests run it on any AVX-512 BF16 CPU
+//               through the AMX emulation (amx_emulation.h).
+//   avx2        AVX2 + FMA micro-kernel (gemm_avx2.cc) over the same panels: bf16
+//               widened to f32 in registers (a 16-bit shift), 4 rows x 16 columns
+//               of f32 FMAs; for CPUs without AVX-512 (chosen automatically when
+//               AVX-512 BW/VL/DQ is absent), so bf16 weights stay bf16 there.
 //   torch       at::linear in bf16 (oneDNN) plus ATen ops for the epilogue; the last
-//               resort on CPUs without AVX-512 BF16.
-// VLM_GEMM_PATH=amx|avx512bf16|torch|auto overrides the choice for the process
-// (read once; an unusable value is reported on stderr and ignored).
+//               resort (AVX-512 without BF16, or no AVX2).
+// VLM_GEMM_PATH=amx|avx512bf16|avx2|torch|auto overrides the choice for the process
+// (read once; an unusable value is reported on stderr and ignored). VLM_ISA
+// (common/cpu_features.h) caps what counts as supported.
 //
-// Row invariance (avx512bf16 and amx): an output element's K-summation order
+// Row invariance (avx512bf16, amx and avx2): an output element's K-summation order
 // depends only on K, never on M, on the row's position in x, or on the thread
 // split, so a row of y is bit-identical whatever batch it is computed in. The
 // torch path makes no such promise.
@@ -43,19 +50,26 @@
 
 namespace vlm::kernels {
 
-enum class GemmPath { kAmx, kAvx512Bf16, kTorch };
+enum class GemmPath { kAmx, kAvx512Bf16, kTorch, kAvx2 };
 
-// "amx", "avx512bf16", "torch".
+// "amx", "avx512bf16", "torch", "avx2".
 const char* GemmPathName(GemmPath path);
 // Inverse of GemmPathName; "auto" gives AutoGemmPath().
 absl::StatusOr<GemmPath> ParseGemmPath(std::string_view name);
 // Whether this CPU and OS can run `path` (amx: also asks the kernel for tile
 // state, once per process); if not, `missing` says what is lacking.
 bool GemmPathSupported(GemmPath path, std::string* missing = nullptr);
-// The best supported path that is part of the automatic choice.
+// The best supported path that needs no check at run time: avx512bf16, else
+// torch (amx only through SetDefaultGemmPath).
 GemmPath AutoGemmPath();
-// VLM_GEMM_PATH when set and supported, else AutoGemmPath().
+// The process's default: what SetDefaultGemmPath set, else VLM_GEMM_PATH when
+// set and supported, else AutoGemmPath(). Read by Pack and GemmInt8 when no
+// path is given.
 GemmPath DefaultGemmPath();
+// Replaces the process's default path (the services' start-up choice,
+// kernel_path.h). Weights packed earlier keep their path. FAILED_PRECONDITION
+// when `path` is not supported here.
+absl::Status SetDefaultGemmPath(GemmPath path);
 
 enum class Activation {
   kNone,

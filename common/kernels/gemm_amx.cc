@@ -7,7 +7,13 @@
 //
 // The tile configuration lives in static storage: GCC 12 declares
 // _tile_loadconfig as reading 8 bytes, so the stores filling a stack copy
-// may be dropped and the first tile instruction would raise SIGILL.
+// may be dropped and the first tile instruction would raise SIGILL. Likewise
+// GCC 12's _tile_loadd is an asm with no memory operand and no "memory"
+// clobber: after the zero-padded copy of x is written, a compiler barrier
+// keeps those stores ahead of the tile loads that read them.
+//
+// Built a second time against the AMX emulation (amx_emulation.h) as
+// EmulatedAmxBlock, for tests on CPUs without AMX (gemm_amx_emulated.cc).
 #include <cstring>
 #include <vector>
 
@@ -46,9 +52,18 @@ alignas(64) static const TileConfig kTileConfig = MakeConfig();
 
 constexpr int kBlockRows = 32;
 
+// Orders the compiler's stores before the tile loads that read them.
+inline void CompilerBarrier() { asm volatile("" ::: "memory"); }
+
 }  // namespace
 
-void AmxBlock(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
+#ifdef VLM_AMX_EMULATION
+#define VLM_AMX_BLOCK EmulatedAmxBlock
+#else
+#define VLM_AMX_BLOCK AmxBlock
+#endif
+
+void VLM_AMX_BLOCK(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
   _tile_loadconfig(&kTileConfig);
   const int64_t kp = p.w.kpairs;            // multiple of 16
   const int64_t kpad = 2 * kp;              // padded K, multiple of 32
@@ -66,6 +81,7 @@ void AmxBlock(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) 
       }
       a = a_buf.data();
       lda = kpad;
+      CompilerBarrier();
     }
     const size_t a_stride = static_cast<size_t>(lda) * sizeof(uint16_t);
     for (int64_t j = j0; j < j1; ++j) {
@@ -94,5 +110,7 @@ void AmxBlock(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) 
   }
   _tile_release();
 }
+
+#undef VLM_AMX_BLOCK
 
 }  // namespace vlm::kernels::internal

@@ -142,11 +142,31 @@ VLM_TARGET void FillHalfPanel(const QuantizedWeight& w, const int64_t rows[16], 
   }
 }
 
+// FillHalfPanel in portable code (the avx2 path: no AVX-512 to transpose
+// with): the same bf16 values, element by element in natural order.
+void FillHalfPanelScalar(const QuantizedWeight& w, const int64_t rows[16], int h,
+                         int64_t kpairs, uint16_t* dst) {
+  const int64_t kp = w.k_padded();
+  for (int i = 0; i < 16; ++i) {
+    for (int64_t pair = 0; pair < kpairs; ++pair) {
+      for (int e = 0; e < 2; ++e) {
+        const int64_t k = 2 * pair + e;
+        float v = 0;
+        if (rows[i] >= 0 && k < kp) {
+          v = static_cast<float>(w.value(rows[i], k)) * w.scale(rows[i], k / kInt8Group);
+        }
+        dst[(pair * kPanelCols + 16 * h + i) * 2 + e] = c10::BFloat16(v).x;
+      }
+    }
+  }
+}
+
 class Int8Panels : public internal::PanelSource {
  public:
-  // n: output columns (gate_up: I, the weight holding 2I rows).
-  Int8Panels(const QuantizedWeight& w, bool gate_up, int64_t n, int64_t kpairs)
-      : w_(w), gate_up_(gate_up), n_(n), kpairs_(kpairs) {}
+  // n: output columns (gate_up: I, the weight holding 2I rows). portable:
+  // make the panels without AVX-512 (the avx2 path).
+  Int8Panels(const QuantizedWeight& w, bool gate_up, int64_t n, int64_t kpairs, bool portable)
+      : w_(w), gate_up_(gate_up), portable_(portable), n_(n), kpairs_(kpairs) {}
 
   void Fill(int64_t j0, int64_t j1, uint16_t* out) const override {
     for (int64_t j = j0; j < j1; ++j) {
@@ -158,14 +178,15 @@ class Int8Panels : public internal::PanelSource {
           const int64_t col = gate_up_ ? 16 * j + i : kPanelCols * j + 16 * h + i;
           rows[i] = col >= n_ ? -1 : gate_up_ && h == 1 ? n_ + col : col;
         }
-        FillHalfPanel(w_, rows, h, kpairs_, dst);
+        if (portable_) FillHalfPanelScalar(w_, rows, h, kpairs_, dst);
+        else FillHalfPanel(w_, rows, h, kpairs_, dst);
       }
     }
   }
 
  private:
   const QuantizedWeight& w_;
-  const bool gate_up_;
+  const bool gate_up_, portable_;
   const int64_t n_, kpairs_;
 };
 
@@ -185,7 +206,7 @@ absl::Status GemmInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor*
     const GemmPath path = o.path.value_or(DefaultGemmPath());
     if (path == GemmPath::kTorch) {
       return absl::FailedPreconditionError(
-          "gemm int8: needs the amx or avx512bf16 path, not torch");
+          "gemm int8: needs the amx, avx512bf16 or avx2 path, not torch");
     }
     std::string missing;
     if (!GemmPathSupported(path, &missing)) {
@@ -200,7 +221,7 @@ absl::Status GemmInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor*
     const int64_t cols = gate_up ? 16 : kPanelCols;
     p.w = {nullptr, w.k(), kpairs, (n + cols - 1) / cols};
     p.epilogue.gate_up = gate_up;
-    const Int8Panels source(w, gate_up, n, kpairs);
+    const Int8Panels source(w, gate_up, n, kpairs, path == GemmPath::kAvx2);
     internal::RunBlocked(p, m, path, o, &source);
     return absl::OkStatus();
   } catch (const std::bad_alloc&) {

@@ -61,11 +61,29 @@ void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel, const flo
 void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
 // The same on AMX tiles; needs AMX-BF16 with tile state granted.
 void AmxBlock(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
+// AmxBlock's source compiled against the AMX emulation (amx_emulation.h):
+// runs on any CPU with AVX-512 BF16 (for StoreTile). Defined only in the
+// test library vlm_amx_emulation.
+void EmulatedAmxBlock(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
+
+// AMX selection. The block kernel behind GemmPath::kAmx is AmxBlock unless
+// replaced: tests install EmulatedAmxBlock so the AMX path runs on CPUs
+// without AMX; GemmPathSupported(kAmx) then asks only for AVX-512 BF16.
+// nullptr restores AmxBlock. Set before any Gemm on the AMX path runs.
+using BlockKernel = void (*)(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
+void SetAmxBlockKernel(BlockKernel kernel);
+// The replacement installed by SetAmxBlockKernel, or nullptr.
+BlockKernel AmxBlockOverride();
+// The same with AVX2 + FMA (gemm_avx2.cc; its own epilogue).
+void Avx2Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
 
 // acc[rows][32] = x[rows, 0..k) · panel (k ≤ 2·kpairs of the panel), the
 // avx512bf16 micro-kernel with the same summation order as Avx512Bf16Block.
 void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                          const uint16_t* panel, float* acc);
+// The same with AVX2 + FMA and Avx2Block's summation order.
+void MicroTileAvx2(const uint16_t* x, int64_t ld_x, int rows, int64_t k, const uint16_t* panel,
+                   float* acc);
 
 // Packs w [n_rows, K] (bf16 bits, row stride ld) into panels (gate_up: gate
 // and up interleaved by 16). `out` has count·kpairs·64 uint16 slots.

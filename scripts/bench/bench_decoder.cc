@@ -37,11 +37,11 @@
 #include "common/kernels/gemm.h"
 #include "common/kernels/gemv_int8.h"
 #include "common/kernels/quantize.h"
-#include "services/language/decode_attention.h"
-#include "services/language/decoder.h"
-#include "services/language/gemv.h"
-#include "services/language/paged_attention.h"
-#include "services/language/projector.h"
+#include "services/language/model/decode_attention.h"
+#include "services/language/model/decoder.h"
+#include "common/kernels/gemv.h"
+#include "common/kernels/paged_attention.h"
+#include "services/language/model/projector.h"
 
 ABSL_FLAG(std::string, checkpoint, "", "model directory");
 ABSL_FLAG(int, threads, 2, "intra-op threads");

@@ -10,7 +10,8 @@
 // Tables (medians over --reps; implementations interleaved per repetition so
 // load from other processes hits them alike):
 //   1. GFLOP/s per shape and M = 64..2048 (wall time, --threads): kernel, old,
-//      amx (where present), at::linear; the kernel's share of the peak and its
+//      amx (where present), avx2 (the AVX2 + FMA path for CPUs without AVX-512,
+//      on the same panels), at::linear; the kernel's share of the peak and its
 //      ratio to at::linear and to old.
 //   2. The same for short prefill chunks, M = 1, 4, 8, 16.
 //   3. One thread, GFLOP per second of the thread's own CPU time
@@ -501,6 +502,7 @@ int main(int argc, char** argv) {
   std::string amx_missing;
   const bool have_kernel = vlm::kernels::GemmPathSupported(GemmPath::kAvx512Bf16);
   const bool have_amx = vlm::kernels::GemmPathSupported(GemmPath::kAmx, &amx_missing);
+  const bool have_avx2 = vlm::kernels::GemmPathSupported(GemmPath::kAvx2);
   std::printf("vlm-bench-gemm: %d threads, OMP_WAIT_POLICY=%s, cpu: %s\n", threads,
               vlm::OmpWaitPolicy().c_str(), cpu.Describe().c_str());
   std::printf("load average at start: %s; default gemm path: %s\n", LoadAverage().c_str(),
@@ -553,9 +555,11 @@ int main(int argc, char** argv) {
     std::printf("\n## %s: GFLOP/s, bf16, %d threads, wall time (median of %d); peak: the "
                 "VDPBF16PS loop sampled in the same repetitions%s\n\n", title, threads, reps,
                 have_amx ? " (AMX rows: the AMX peak above)" : "");
-    std::printf("| shape | M | kernel | old |%s at::linear | peak | kernel %% of peak | kernel / "
-                "at::linear | kernel / old |\n", have_amx ? " amx |" : "");
-    std::printf("|---|---|---|---|%s---|---|---|---|---|\n", have_amx ? "---|" : "");
+    std::printf("| shape | M | kernel | old |%s%s at::linear | peak | kernel %% of peak | kernel / "
+                "at::linear | kernel / old |\n", have_amx ? " amx |" : "",
+                have_avx2 ? " avx2 | avx2 / kernel |" : "");
+    std::printf("|---|---|---|---|%s%s---|---|---|---|---|\n", have_amx ? "---|" : "",
+                have_avx2 ? "---|---|" : "");
     for (const Shape& s : shapes) {
       Problem p = MakeProblem(s.n, s.k);
       for (int64_t m : ms) {
@@ -564,7 +568,7 @@ int main(int argc, char** argv) {
         const double flop = 2.0 * m * s.n * s.k;
         // Short problems repeat inside one timing so each sample is ~1 ms or more.
         const int inner = static_cast<int>(std::clamp<double>(4e8 / flop, 1, 200));
-        std::vector<double> tk, to, ta, tt, pk;
+        std::vector<double> tk, to, ta, t2, tt, pk;
         for (int r = 0; r <= reps; ++r) {  // r = 0 warms up
           const double e = PeakAvx512Bf16(threads, 4'000'000);
           // Each implementation runs once untimed right before its timing, so
@@ -580,18 +584,24 @@ int main(int argc, char** argv) {
           const double a = timed([&] { RunKernel(p, threads, GemmPath::kAvx512Bf16); });
           const double b = timed([&] { RunOld(p, threads); });
           const double c = have_amx ? timed([&] { RunKernel(p, threads, GemmPath::kAmx); }) : 0;
+          const double f = have_avx2 ? timed([&] { RunKernel(p, threads, GemmPath::kAvx2); }) : 0;
           const double d = timed([&] { RunTorch(p); });
           if (r == 0) continue;
           tk.push_back(a / inner), to.push_back(b / inner), ta.push_back(c / inner),
-              tt.push_back(d / inner), pk.push_back(e);
+              t2.push_back(f / inner), tt.push_back(d / inner), pk.push_back(e);
         }
         const double gk = flop / Median(tk) / 1e9, go = flop / Median(to) / 1e9,
                      gt = flop / Median(tt) / 1e9;
         char amx_col[32] = "";
         if (have_amx) std::snprintf(amx_col, sizeof amx_col, " %.0f |", flop / Median(ta) / 1e9);
+        char avx2_col[48] = "";
+        if (have_avx2) {
+          const double g2 = flop / Median(t2) / 1e9;
+          std::snprintf(avx2_col, sizeof avx2_col, " %.0f | %.2fx |", g2, g2 / gk);
+        }
         const double row_peak = Median(pk);
-        std::printf("| %s | %lld | %.0f | %.0f |%s %.0f | %.0f | %.0f%% | %.2fx | %.2fx |\n",
-                    s.name, static_cast<long long>(m), gk, go, amx_col, gt, row_peak,
+        std::printf("| %s | %lld | %.0f | %.0f |%s%s %.0f | %.0f | %.0f%% | %.2fx | %.2fx |\n",
+                    s.name, static_cast<long long>(m), gk, go, amx_col, avx2_col, gt, row_peak,
                     100 * gk / row_peak, gk / gt, gk / go);
       }
     }

@@ -14,8 +14,13 @@
 // together, SiLU·up fused); B = 8 on it costs about what B = 1 does.
 // gemm-cN: the same with N panels per work chunk (GemmOptions::panels_per_chunk;
 // gemm-c8 is the chunking decode used before the automatic choice).
+// gemm-P: the packed path forced to GEMM path P (gemm-avx512bf16, gemm-avx2,
+// gemm-amx), e.g. the AVX2 kernels next to the AVX-512 ones in one run:
+//   --impls avx512bf16,avx2,gemm-avx512bf16,gemm-avx2 --batches 1,4
 // --batches: tokens per step (x is [B, in]), e.g. 1,4,8.
+#include <cctype>
 #include <chrono>
+#include <optional>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -29,7 +34,7 @@
 #include "common/kernels/gemm.h"
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/gemv_bench.h"
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 
 namespace {
 
@@ -53,6 +58,7 @@ struct Impl {
   // the decoder packs them); "gemm-cN": N panels per work chunk.
   bool gemm = false;
   int panels_per_chunk = 0;
+  std::optional<vlm::kernels::GemmPath> gemm_path;  // "gemm-P": forced GEMM path
   vlm::GemvPath path = vlm::GemvPath::kScalar;
   bool fused = false;  // GemvMulti for q/k/v and gate/up
 };
@@ -104,6 +110,7 @@ double Step(const Impl& impl, const Model& m, Acts& a, Times* times) {
   if (impl.gemm) {
     vlm::kernels::GemmOptions go;
     go.panels_per_chunk = impl.panels_per_chunk;
+    go.path = impl.gemm_path;
     vlm::kernels::GemmOptions gu = go;
     gu.activation = vlm::kernels::Activation::kSiluMul;
     for (const std::vector<vlm::kernels::PackedWeight>& w : m.packed) {
@@ -167,9 +174,27 @@ int main(int argc, char** argv) {
     impl.name = name;
     if (name == "torch") {
       impl.torch = true;
-    } else if (name == "gemm" || name.rfind("gemm-c", 0) == 0) {
+    } else if (name == "gemm" || (name.rfind("gemm-c", 0) == 0 && name.size() > 6 &&
+                                  std::isdigit(static_cast<unsigned char>(name[6])))) {
       impl.gemm = true;
       if (name.size() > 6) impl.panels_per_chunk = std::atoi(name.c_str() + 6);
+    } else if (name.rfind("gemm-", 0) == 0) {
+      absl::StatusOr<vlm::kernels::GemmPath> p = vlm::kernels::ParseGemmPath(name.substr(5));
+      if (!p.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(p.status().message()).c_str());
+        return 2;
+      }
+      std::string missing;
+      if (*p == vlm::kernels::GemmPath::kTorch) {
+        std::fprintf(stderr, "%s: the packed impls need a blocked GEMM path\n", name.c_str());
+        return 2;
+      }
+      if (!vlm::kernels::GemmPathSupported(*p, &missing)) {
+        std::printf("skipping %s: %s\n", name.c_str(), missing.c_str());
+        continue;
+      }
+      impl.gemm = true;
+      impl.gemm_path = *p;
     } else {
       const bool fused = name.size() > 6 && name.compare(name.size() - 6, 6, "-fused") == 0;
       absl::StatusOr<vlm::GemvPath> p =
@@ -204,17 +229,27 @@ int main(int argc, char** argv) {
   m.head = RandomBf16(kHead.out, kHead.in, 99999);
   m.step_bytes += kHead.out * kHead.in * 2;
   if (std::any_of(impls.begin(), impls.end(), [](const Impl& i) { return i.gemm; })) {
+    // Every blocked path reads the same panels: pack once for the first
+    // forced path (or the default one); the others override it per call.
+    std::optional<vlm::kernels::GemmPath> pack_path;
+    for (const Impl& i : impls) {
+      if (i.gemm && i.gemm_path.has_value()) {
+        pack_path = i.gemm_path;
+        break;
+      }
+    }
     auto pack = [](absl::StatusOr<vlm::kernels::PackedWeight> w) {
       Check(w.status());
       return *std::move(w);
     };
     for (const std::vector<at::Tensor>& w : m.layers) {
-      m.packed.push_back({pack(vlm::kernels::PackedWeight::Pack(at::cat({w[kQ], w[kK], w[kV]}))),
-                          pack(vlm::kernels::PackedWeight::Pack(w[kO])),
-                          pack(vlm::kernels::PackedWeight::PackGateUp(w[kGate], w[kUp])),
-                          pack(vlm::kernels::PackedWeight::Pack(w[kDown]))});
+      m.packed.push_back(
+          {pack(vlm::kernels::PackedWeight::Pack(at::cat({w[kQ], w[kK], w[kV]}), {}, pack_path)),
+           pack(vlm::kernels::PackedWeight::Pack(w[kO], {}, pack_path)),
+           pack(vlm::kernels::PackedWeight::PackGateUp(w[kGate], w[kUp], pack_path)),
+           pack(vlm::kernels::PackedWeight::Pack(w[kDown], {}, pack_path))});
     }
-    m.packed_head = pack(vlm::kernels::PackedWeight::Pack(m.head));
+    m.packed_head = pack(vlm::kernels::PackedWeight::Pack(m.head, {}, pack_path));
   }
   // One bound per thread count, over one 1 GiB buffer.
   const at::Tensor bw_buffer = RandomBf16(1, (size_t{1} << 30) / 2, 4242);

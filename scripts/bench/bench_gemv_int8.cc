@@ -62,7 +62,7 @@
 #include "scripts/bench/gemv_bench.h"
 #include "scripts/bench/on_threads.h"
 #include "scripts/bench/peak_bf16.h"
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 
 namespace {
 

@@ -67,7 +67,7 @@
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 #include "vlm/v1/language.grpc.pb.h"
 
 ABSL_FLAG(std::string, model_dir, "",

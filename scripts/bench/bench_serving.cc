@@ -48,7 +48,7 @@
 #include "absl/time/time.h"
 #include "common/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 #include "tests/integration/service_process.h"
 #include "tests/integration/test_png.h"
 #include "vlm/v1/gateway.grpc.pb.h"

@@ -19,7 +19,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "services/language/tokenizer.h"
+#include "services/language/text/tokenizer.h"
 
 namespace {
 

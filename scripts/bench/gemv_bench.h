@@ -17,7 +17,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/status/status.h"
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 
 namespace vlm::bench {
 

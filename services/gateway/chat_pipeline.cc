@@ -85,14 +85,18 @@ std::string CacheLevelLabel(v1::CacheLevel level) {
   }
 }
 
+}  // namespace
+
 // One image of the request, in request order.
-struct ImageJob {
+struct ChatPipeline::ImageJob {
   int number = 0;  // 1-based
   const v1::ImagePart* part = nullptr;
   std::string key;  // hex SHA-256 of the bytes, or the given content hash
   VisionRouter::EncodeOutcome outcome;
   double vision_ms = 0;
 };
+
+namespace {
 
 v1::ImageOptions MergedOptions(const v1::ImageOptions& defaults, const v1::ImageOptions& own) {
   v1::ImageOptions merged = defaults;
@@ -125,9 +129,13 @@ void Cancellation::Cancel() {
     absl::MutexLock lock(&mu_);
     if (cancelled_) return;
     cancelled_ = true;
+    if (!callback_) return;
     callback = callback_;
+    running_ = true;
   }
-  if (callback) callback();
+  callback();
+  absl::MutexLock lock(&mu_);
+  running_ = false;  // wakes an Unregister waiting in Await
 }
 
 bool Cancellation::cancelled() const {
@@ -136,18 +144,23 @@ bool Cancellation::cancelled() const {
 }
 
 void Cancellation::Register(std::function<void()> callback) {
-  bool run_now = false;
   {
     absl::MutexLock lock(&mu_);
-    callback_ = callback;
-    run_now = cancelled_;
+    mu_.Await(absl::Condition(
+        +[](bool* running) { return !*running; }, &running_));
+    if (!cancelled_) {
+      callback_ = std::move(callback);
+      return;
+    }
+    callback_ = nullptr;  // Cancel() has run: nothing will call a stored callback
   }
-  if (run_now && callback) callback();
+  if (callback) callback();
 }
 
 void Cancellation::Unregister() {
   absl::MutexLock lock(&mu_);
   callback_ = nullptr;
+  mu_.Await(absl::Condition(+[](bool* running) { return !*running; }, &running_));
 }
 
 struct ChatPipeline::Record {
@@ -201,36 +214,40 @@ grpc::Status ChatPipeline::Run(const ChatCall& call, const v1::ChatRequest& requ
   return status;
 }
 
-grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& request,
-                                  ChatSink* sink, Record* record) const {
-  const absl::Time start = absl::Now();
-  GatewayMetrics& metrics = Metrics();
-  record->request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
-  const std::string& request_id = record->request_id;
+// The request's deadline: the front end's, the gRPC caller's, else the default.
+absl::Time ChatPipeline::Deadline(const ChatCall& call, absl::Time start) const {
+  absl::Time deadline = call.deadline;
+  if (call.grpc_context != nullptr) {
+    deadline = std::min(deadline, FromGrpcDeadline(call.grpc_context->deadline()));
+  }
+  if (deadline == absl::InfiniteFuture() && options_.default_deadline != absl::InfiniteDuration()) {
+    deadline = start + options_.default_deadline;
+  }
+  return deadline;
+}
 
-  if (grpc::Status s = readiness_->CheckGrpc(kServiceName); !s.ok()) {
+// Readiness, validation, then a slot (or RESOURCE_EXHAUSTED / the caller's
+// cancellation or deadline while queued).
+absl::StatusOr<Admission::Permit> ChatPipeline::Admit(const ChatCall& call,
+                                                      const v1::ChatRequest& request,
+                                                      absl::Time deadline) const {
+  GatewayMetrics& metrics = Metrics();
+  if (absl::Status s = readiness_->Check(kServiceName); !s.ok()) {
     metrics.rejected.Add({{"reason", "not_serving"}}).Increment();
     return s;
   }
   if (absl::Status s = ValidateChatRequest(request, options_.limits); !s.ok()) {
     metrics.rejected.Add({{"reason", "invalid_argument"}}).Increment();
-    return ToGrpcStatus(s);
-  }
-  const grpc::ServerContextBase* context = call.grpc_context;
-  Cancellation* const cancellation = call.cancellation;
-  absl::Time deadline = call.deadline;
-  if (context != nullptr) deadline = std::min(deadline, FromGrpcDeadline(context->deadline()));
-  if (deadline == absl::InfiniteFuture() && options_.default_deadline != absl::InfiniteDuration()) {
-    deadline = start + options_.default_deadline;
+    return s;
   }
   if (absl::Status s = CheckImageCost(request, options_.limits.image_cost, deadline - absl::Now());
       !s.ok()) {
     metrics.rejected.Add({{"reason", absl::IsDeadlineExceeded(s) ? "deadline" : "invalid_argument"}})
         .Increment();
-    return ToGrpcStatus(s);
+    return s;
   }
-
-  // --- admission -----------------------------------------------------------
+  const grpc::ServerContextBase* context = call.grpc_context;
+  Cancellation* const cancellation = call.cancellation;
   absl::StatusOr<Admission::Permit> permit =
       admission_->Acquire(deadline, [context, cancellation] {
         return (context != nullptr && context->IsCancelled()) ||
@@ -242,23 +259,28 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
                              : permit.status().code() == absl::StatusCode::kCancelled ? "cancelled"
                                                                                        : "deadline";
     metrics.rejected.Add({{"reason", reason}}).Increment();
-    return ToGrpcStatus(permit.status());
   }
-  const absl::Time admitted = absl::Now();
-  metrics.queue_seconds.Observe(absl::ToDoubleSeconds(admitted - start));
+  return permit;
+}
 
-  // --- images: encoded in parallel, each on its rendezvous replica ----------
-  std::vector<ImageJob> jobs;
+// Every image of the request, encoded in parallel, each on its rendezvous
+// replica; the per-image results of the response in `images`.
+grpc::Status ChatPipeline::EncodeImages(const ChatCall& call, const v1::ChatRequest& request,
+                                        absl::Time deadline, const std::string& request_id,
+                                        std::vector<ImageJob>* jobs,
+                                        std::vector<v1::ImageResult>* images, double* vision_ms,
+                                        Record* record) const {
+  GatewayMetrics& metrics = Metrics();
   for (const v1::ChatMessage& message : request.messages()) {
     for (const v1::ContentPart& part : message.content()) {
       if (!part.has_image()) continue;
       ImageJob job;
-      job.number = static_cast<int>(jobs.size()) + 1;
+      job.number = static_cast<int>(jobs->size()) + 1;
       job.part = &part.image();
-      jobs.push_back(std::move(job));
+      jobs->push_back(std::move(job));
     }
   }
-  record->images = static_cast<int>(jobs.size());
+  record->images = static_cast<int>(jobs->size());
   auto encode = [&](ImageJob& job) {
     const absl::Time begin = absl::Now();
     v1::EncodeRequest encode_request;
@@ -271,27 +293,25 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
     }
     *encode_request.mutable_options() =
         MergedOptions(request.image_options(), job.part->options());
-    job.outcome = router_->Encode(context, deadline, job.key, encode_request, request_id);
+    job.outcome = router_->Encode(call.grpc_context, deadline, job.key, encode_request, request_id);
     job.vision_ms = Ms(absl::Now() - begin);
   };
   const absl::Time vision_start = absl::Now();
-  if (!jobs.empty()) {
+  if (!jobs->empty()) {
     std::vector<std::thread> threads;
-    for (size_t i = 1; i < jobs.size(); ++i) threads.emplace_back(encode, std::ref(jobs[i]));
-    encode(jobs[0]);
+    for (size_t i = 1; i < jobs->size(); ++i) threads.emplace_back(encode, std::ref((*jobs)[i]));
+    encode((*jobs)[0]);
     for (std::thread& t : threads) t.join();
   }
-  const double vision_ms = Ms(absl::Now() - vision_start);
-  if (!jobs.empty()) metrics.vision_seconds.Observe(vision_ms / 1000);
-  for (const ImageJob& job : jobs) {
+  *vision_ms = Ms(absl::Now() - vision_start);
+  if (!jobs->empty()) metrics.vision_seconds.Observe(*vision_ms / 1000);
+  for (const ImageJob& job : *jobs) {
     if (!job.outcome.status.ok()) {
       return MapVisionError(job.number, job.outcome.status, job.outcome.replica,
                             job.outcome.attempts);
     }
   }
-
-  std::vector<v1::ImageResult> images;
-  for (ImageJob& job : jobs) {
+  for (ImageJob& job : *jobs) {
     const v1::EncodeResponse& r = job.outcome.response;
     v1::ImageResult result;
     result.set_content_hash(r.features().content_hash().empty() ? job.key
@@ -308,24 +328,27 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
     if (r.cache() != v1::CACHE_LEVEL_MISS && r.cache() != v1::CACHE_LEVEL_UNSPECIFIED) {
       ++record->cache_hits;
     }
-    images.push_back(std::move(result));
+    images->push_back(std::move(result));
   }
+  return grpc::Status::OK;
+}
 
-  // --- the language call ----------------------------------------------------
+// The language request: the messages with each image's features moved in,
+// the generation parameters (the default max_tokens when unset).
+v1::GenerateRequest ChatPipeline::BuildGenerateRequest(const v1::ChatRequest& request,
+                                                       std::vector<ImageJob>& jobs,
+                                                       const std::string& request_id) const {
   v1::GenerateRequest generate;
-  {
-    size_t next_image = 0;
-    for (const v1::ChatMessage& message : request.messages()) {
-      v1::LanguageMessage* out = generate.add_messages();
-      out->set_role(message.role());
-      for (const v1::ContentPart& part : message.content()) {
-        v1::LanguageContentPart* out_part = out->add_content();
-        if (part.has_image()) {
-          out_part->mutable_image()->Swap(
-              jobs[next_image++].outcome.response.mutable_features());
-        } else {
-          out_part->set_text(part.text());
-        }
+  size_t next_image = 0;
+  for (const v1::ChatMessage& message : request.messages()) {
+    v1::LanguageMessage* out = generate.add_messages();
+    out->set_role(message.role());
+    for (const v1::ContentPart& part : message.content()) {
+      v1::LanguageContentPart* out_part = out->add_content();
+      if (part.has_image()) {
+        out_part->mutable_image()->Swap(jobs[next_image++].outcome.response.mutable_features());
+      } else {
+        out_part->set_text(part.text());
       }
     }
   }
@@ -335,8 +358,18 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   }
   generate.set_add_generation_prompt(true);
   generate.set_request_id(request_id);
+  return generate;
+}
 
-  std::unique_ptr<grpc::ClientContext> backend = BackendContext(context, deadline, request_id);
+// Streams the generation's deltas to the sink; `last` gets the final
+// response (finish reason, usage, timings). A client gone is CANCELLED.
+grpc::Status ChatPipeline::Relay(const ChatCall& call, absl::Time deadline, absl::Time start,
+                                 v1::GenerateRequest generate, const std::string& request_id,
+                                 ChatSink* sink, v1::GenerateResponse* last,
+                                 double* first_token_ms) const {
+  Cancellation* const cancellation = call.cancellation;
+  std::unique_ptr<grpc::ClientContext> backend =
+      BackendContext(call.grpc_context, deadline, request_id);
   // A front end's cancellation (e.g. an HTTP client gone) reaches the language
   // service at once, not only at the next delta.
   if (cancellation != nullptr) {
@@ -354,18 +387,16 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   generate.Clear();  // the features can be large; the call has serialized them
 
   v1::GenerateResponse delta;
-  v1::GenerateResponse last;
   bool finished = false;
   bool client_gone = false;
   int chunks = 0;
-  double first_token_ms = -1;
   while (reader->Read(&delta)) {
-    if (first_token_ms < 0 && (!delta.text().empty() || delta.token_ids_size() > 0)) {
-      first_token_ms = Ms(absl::Now() - start);
+    if (*first_token_ms < 0 && (!delta.text().empty() || delta.token_ids_size() > 0)) {
+      *first_token_ms = Ms(absl::Now() - start);
     }
     if (delta.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       // Held back until the stream's status says the generation really ended well.
-      last = std::move(delta);
+      *last = std::move(delta);
       finished = true;
       continue;
     }
@@ -391,8 +422,17 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         "language service ended the stream without a finish reason");
   }
+  return grpc::Status::OK;
+}
 
-  // --- the final result -----------------------------------------------------
+// The final chunk: text left, usage, timings, per-image results; metrics and
+// the access-log record.
+grpc::Status ChatPipeline::Finish(v1::GenerateResponse& last, absl::Time start,
+                                  absl::Time admitted, double vision_ms, double first_token_ms,
+                                  std::vector<v1::ImageResult>& images,
+                                  const std::string& request_id, ChatSink* sink,
+                                  Record* record) const {
+  GatewayMetrics& metrics = Metrics();
   const v1::LanguageTimings& lt = last.timings();
   v1::ChatTimings timings;
   timings.set_queue_ms(Ms(admitted - start) + lt.queue_ms());
@@ -423,6 +463,41 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
   }
   return grpc::Status::OK;
+}
+
+// admit -> encode the images -> build the language request -> relay -> account.
+grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& request,
+                                  ChatSink* sink, Record* record) const {
+  const absl::Time start = absl::Now();
+  record->request_id = request.request_id().empty() ? NewRequestId() : request.request_id();
+  const std::string& request_id = record->request_id;
+  const absl::Time deadline = Deadline(call, start);
+  absl::StatusOr<Admission::Permit> permit = Admit(call, request, deadline);
+  if (!permit.ok()) return ToGrpcStatus(permit.status());
+  const absl::Time admitted = absl::Now();
+  Metrics().queue_seconds.Observe(absl::ToDoubleSeconds(admitted - start));
+
+  std::vector<ImageJob> jobs;
+  std::vector<v1::ImageResult> images;
+  double vision_ms = 0;
+  if (grpc::Status s =
+          EncodeImages(call, request, deadline, request_id, &jobs, &images, &vision_ms, record);
+      !s.ok()) {
+    return s;
+  }
+  // A front end's client that left during admission or the image phase never
+  // starts a generation.
+  if (call.cancellation != nullptr && call.cancellation->cancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+  }
+  v1::GenerateResponse last;
+  double first_token_ms = -1;
+  if (grpc::Status s = Relay(call, deadline, start, BuildGenerateRequest(request, jobs, request_id),
+                             request_id, sink, &last, &first_token_ms);
+      !s.ok()) {
+    return s;
+  }
+  return Finish(last, start, admitted, vision_ms, first_token_ms, images, request_id, sink, record);
 }
 
 }  // namespace vlm::gateway

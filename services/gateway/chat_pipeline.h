@@ -6,7 +6,11 @@
 //
 // Output goes to a ChatSink in order (text deltas, then one final chunk); a
 // sink that reports its client gone, or a Cancellation, cancels the backend
-// calls, so the language service frees the sequence's slot. Errors come back as
+// calls, so the language service frees the sequence's slot. Where it acts: a
+// request queued for admission leaves the queue (polled every 10 ms); the
+// language call is cancelled at once (and never starts once cancelled); the
+// vision calls follow only a gRPC caller's own cancellation, so a Cancellation
+// raised during the image phase takes effect when that phase ends. Errors come back as
 // grpc::Status (the same codes for both front ends; HTTP maps them with
 // HttpStatusForCode, http_status.h).
 //
@@ -77,20 +81,39 @@ class CollectingSink final : public ChatSink {
 
 // A cancellation signal one front end raises from any thread (e.g. an HTTP
 // client's connection closed) and the pipeline observes. Thread-safe.
+//
+// Lifetime contract: the registered callback typically points at an object
+// the registering thread owns and destroys right after Unregister (the
+// pipeline's grpc::ClientContext). So:
+//   - Cancel() runs the callback on the cancelling thread, outside the lock
+//     (the callback may call cancelled()), and marks it running meanwhile;
+//   - Unregister() returns only once no callback is running, and after it
+//     returns the callback never runs again: the registrant may then destroy
+//     whatever the callback touches;
+//   - Register() after Cancel() runs the callback at once, on the registering
+//     thread, before returning (a late registrant is cancelled too).
+// The callback must not call Register/Unregister of the same Cancellation
+// (Unregister would wait for itself), and must be quick (it runs on whatever
+// thread cancels: a connection watcher, an HTTP writer, HttpServer::Stop).
+// The Cancellation itself must outlive every Cancel() call on it.
 class Cancellation {
  public:
-  // Idempotent; runs the registered callback (outside the lock).
+  // Idempotent: the first call marks the cancellation and runs the registered
+  // callback (if any); later calls return at once.
   void Cancel();
   bool cancelled() const;
 
   // While registered, `callback` runs on Cancel() (at once if already
-  // cancelled). One at a time; Unregister waits for nothing.
+  // cancelled). One at a time: a new registration replaces the previous one
+  // (after waiting for it, if it is running).
   void Register(std::function<void()> callback);
+  // Removes the callback, waiting for it to return if Cancel() is running it.
   void Unregister();
 
  private:
   mutable absl::Mutex mu_;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool running_ ABSL_GUARDED_BY(mu_) = false;  // Cancel() is running callback_
   std::function<void()> callback_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -123,9 +146,27 @@ class ChatPipeline {
   static Admission::Observer AdmissionGauges();
 
  private:
-  struct Record;  // what the access log line reports
+  struct Record;    // what the access log line reports
+  struct ImageJob;  // one image's encode
   grpc::Status Handle(const ChatCall& call, const v1::ChatRequest& request, ChatSink* sink,
                       Record* record) const;
+  // Handle's steps, in order.
+  absl::Time Deadline(const ChatCall& call, absl::Time start) const;
+  absl::StatusOr<Admission::Permit> Admit(const ChatCall& call, const v1::ChatRequest& request,
+                                          absl::Time deadline) const;
+  grpc::Status EncodeImages(const ChatCall& call, const v1::ChatRequest& request,
+                            absl::Time deadline, const std::string& request_id,
+                            std::vector<ImageJob>* jobs, std::vector<v1::ImageResult>* images,
+                            double* vision_ms, Record* record) const;
+  v1::GenerateRequest BuildGenerateRequest(const v1::ChatRequest& request,
+                                           std::vector<ImageJob>& jobs,
+                                           const std::string& request_id) const;
+  grpc::Status Relay(const ChatCall& call, absl::Time deadline, absl::Time start,
+                     v1::GenerateRequest generate, const std::string& request_id, ChatSink* sink,
+                     v1::GenerateResponse* last, double* first_token_ms) const;
+  grpc::Status Finish(v1::GenerateResponse& last, absl::Time start, absl::Time admitted,
+                      double vision_ms, double first_token_ms, std::vector<v1::ImageResult>& images,
+                      const std::string& request_id, ChatSink* sink, Record* record) const;
 
   const GatewayOptions options_;
   const Readiness* const readiness_;

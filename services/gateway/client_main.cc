@@ -267,19 +267,23 @@ void PrintStats(const vlm::v1::ChatChunk& last) {
   }
 }
 
-int Chat(Args& args, Connection connection) {
+// What `vlm-client [options] PROMPT...` asks for.
+struct ChatOptions {
   vlm::v1::ChatRequest request;
   vlm::v1::ChatMessage user;
-  user.set_role("user");
   std::string system;
   std::vector<std::string> prompt_words;
   double deadline_s = 300;
   bool json = false;
   bool stats = false;
-  std::string api_key = std::getenv("VLM_API_KEY") != nullptr ? std::getenv("VLM_API_KEY") : "";
-  auto* params = request.mutable_params();
-  auto* sampling = params->mutable_sampling();
+  std::string api_key;
+};
 
+// Reads the chat options and prompt words; an exit code when the command is
+// done (usage error, --help), nullopt to go on.
+std::optional<int> ParseChatArgs(Args& args, Connection& connection, ChatOptions* o) {
+  auto* params = o->request.mutable_params();
+  auto* sampling = params->mutable_sampling();
   while (!args.Done()) {
     std::string v, error;
     auto number_option = [&](const char* name, auto setter, auto type_tag) -> std::optional<int> {
@@ -290,9 +294,9 @@ int Chat(Args& args, Connection connection) {
       setter(x);
       return 0;
     };
-    if (connection.Parse(args, &error) || args.Value("system", &system, &error) ||
-        args.Value("request-id", request.mutable_request_id(), &error) ||
-        args.Value("api-key", &api_key, &error)) {
+    if (connection.Parse(args, &error) || args.Value("system", &o->system, &error) ||
+        args.Value("request-id", o->request.mutable_request_id(), &error) ||
+        args.Value("api-key", &o->api_key, &error)) {
       if (!error.empty()) return UsageError(error);
       continue;
     }
@@ -300,12 +304,12 @@ int Chat(Args& args, Connection connection) {
       if (!error.empty()) return UsageError(error);
       std::optional<std::string> bytes = ReadFile(v, &error);
       if (!bytes) return UsageError(error);
-      user.add_content()->mutable_image()->set_data(std::move(*bytes));
+      o->user.add_content()->mutable_image()->set_data(std::move(*bytes));
       continue;
     }
     if (args.Value("image-hash", &v, &error)) {
       if (!error.empty()) return UsageError(error);
-      user.add_content()->mutable_image()->set_content_hash(v);
+      o->user.add_content()->mutable_image()->set_content_hash(v);
       continue;
     }
     if (args.Value("stop", &v, &error)) {
@@ -327,21 +331,21 @@ int Chat(Args& args, Connection connection) {
                            [&](float x) { sampling->set_frequency_penalty(x); }, float{})) ||
         (r = number_option("seed", [&](uint64_t x) { sampling->set_seed(x); }, uint64_t{})) ||
         (r = number_option("min-pixels",
-                           [&](int64_t x) { request.mutable_image_options()->set_min_pixels(x); },
+                           [&](int64_t x) { o->request.mutable_image_options()->set_min_pixels(x); },
                            int64_t{})) ||
         (r = number_option("max-pixels",
-                           [&](int64_t x) { request.mutable_image_options()->set_max_pixels(x); },
+                           [&](int64_t x) { o->request.mutable_image_options()->set_max_pixels(x); },
                            int64_t{})) ||
-        (r = number_option("deadline", [&](double x) { deadline_s = x; }, double{}))) {
+        (r = number_option("deadline", [&](double x) { o->deadline_s = x; }, double{}))) {
       if (*r != 0) return *r;
       continue;
     }
     if (args.Flag("json")) {
-      json = true;
+      o->json = true;
       continue;
     }
     if (args.Flag("stats")) {
-      stats = true;
+      o->stats = true;
       continue;
     }
     if (args.Flag("help") || args.Flag("h")) {
@@ -353,11 +357,28 @@ int Chat(Args& args, Connection connection) {
     }
     if (args.Peek() == "--") {
       args.Next();
-      while (!args.Done()) prompt_words.push_back(args.Next());
+      while (!args.Done()) o->prompt_words.push_back(args.Next());
       break;
     }
-    prompt_words.push_back(args.Next());
+    o->prompt_words.push_back(args.Next());
   }
+  return std::nullopt;
+
+}
+
+int Chat(Args& args, Connection connection) {
+  ChatOptions o;
+  o.user.set_role("user");
+  if (const char* key = std::getenv("VLM_API_KEY"); key != nullptr) o.api_key = key;
+  if (std::optional<int> done = ParseChatArgs(args, connection, &o)) return *done;
+  vlm::v1::ChatRequest& request = o.request;
+  vlm::v1::ChatMessage& user = o.user;
+  const std::vector<std::string>& prompt_words = o.prompt_words;
+  const std::string& system = o.system;
+  const std::string& api_key = o.api_key;
+  const double deadline_s = o.deadline_s;
+  const bool json = o.json;
+  const bool stats = o.stats;
 
   std::string prompt;
   for (size_t i = 0; i < prompt_words.size(); ++i) {

@@ -3,6 +3,15 @@
 // admits, encodes the images in parallel on the vision replicas and streams
 // the language service's completion back with usage, timings and per-image
 // cache results. The caller's deadline and cancellation reach both backends.
+//
+// A caller that goes away (cancels, its deadline passes, or its connection is
+// closed or reset) is noticed by gRPC itself: the backend calls are made with
+// ClientContext::FromServerContext, whose cancellation propagation cancels
+// the vision and language calls as soon as the server call ends, so the
+// language service frees the sequence at once; a request still queued for
+// admission polls ServerContext::IsCancelled and leaves the queue; a stream
+// write that fails ends the request too. lifecycle_test checks it with
+// ChatStream clients that die with a TCP reset.
 // When API keys are configured, calls need `authorization: Bearer KEY`
 // metadata (UNAUTHENTICATED otherwise); health and reflection stay open.
 //

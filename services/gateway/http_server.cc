@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "services/gateway/connection_watch.h"
 #include "services/gateway/http_status.h"
 #include "services/gateway/openai_protocol.h"
 #include "services/gateway/remote_image.h"
@@ -46,6 +47,18 @@ struct HttpMetrics {
                                     .Help("Server-sent-event streams open right now.")
                                     .Register(MetricsRegistry())
                                     .Add({});
+  prometheus::Counter& client_gone =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_http_client_gone_total")
+          .Help("Chat requests cancelled because their client closed or reset the connection.")
+          .Register(MetricsRegistry())
+          .Add({});
+  prometheus::Counter& unwatched =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_http_unwatched_requests_total")
+          .Help("Chat requests whose connection could not be watched for the client leaving.")
+          .Register(MetricsRegistry())
+          .Add({});
 };
 
 HttpMetrics& Metrics() {
@@ -81,6 +94,8 @@ struct SseStream {
   bool finished ABSL_GUARDED_BY(mu) = false;
   grpc::Status status ABSL_GUARDED_BY(mu);
   Cancellation cancellation;
+  // Declared after `cancellation`, which its callback cancels: destroyed first.
+  std::unique_ptr<ConnectionWatcher::Watch> watch;
   std::thread worker;
 
   void Push(std::string event) {
@@ -121,6 +136,8 @@ struct HttpServer::Impl {
   const ChatPipeline* pipeline = nullptr;
   const ApiKeys* api_keys = nullptr;
   int64_t created = 0;  // /v1/models "created": the server's start
+  // Before `http`: destroyed after it, when no request (and so no Watch) is left.
+  ConnectionWatcher watcher;
   httplib::Server http;
   std::thread thread;
 
@@ -146,6 +163,36 @@ struct HttpServer::Impl {
                                                    std::string(s.message()))));
     res.set_header("WWW-Authenticate", "Bearer");
     return false;
+  }
+
+  // Watches the request's connection and cancels `cancellation` when the
+  // client closes or resets it; a connection already reset is cancelled at
+  // once. Null when there is nothing (more) to watch.
+  std::unique_ptr<ConnectionWatcher::Watch> WatchClient(const httplib::Request& req,
+                                                        Cancellation* cancellation) {
+    absl::StatusOr<int> fd =
+        FindConnectionSocket(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
+    if (fd.ok()) {
+      absl::StatusOr<std::unique_ptr<ConnectionWatcher::Watch>> watch =
+          watcher.Add(*fd, [cancellation] {
+            if (!cancellation->cancelled()) Metrics().client_gone.Increment();
+            cancellation->Cancel();
+          });
+      if (watch.ok()) return *std::move(watch);
+      fd = watch.status();
+    }
+    // This handler's socket is open, so only a reset hides its peer's address:
+    // httplib's getpeername failed (remote_port -1, the reset came before the
+    // request was parsed) or no open socket has the address pair any more.
+    if (req.remote_port < 0 || fd.status().code() == absl::StatusCode::kNotFound) {
+      Metrics().client_gone.Increment();
+      cancellation->Cancel();
+      return nullptr;
+    }
+    Metrics().unwatched.Increment();
+    Log(LogLevel::kWarning, "gateway", "connection not watched",
+        {{"error", fd.status().ToString()}});
+    return nullptr;
   }
 
   std::optional<ApiError> FetchRemoteImages(OpenAiChatRequest* parsed) const;
@@ -178,7 +225,10 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
       parsed.logprobs, parsed.include_usage);
 
   if (!parsed.stream) {
+    // Nothing is written until the end, so only the watch notices a client
+    // that leaves: it cancels the generation and frees the slots.
     Cancellation cancellation;
+    const std::unique_ptr<ConnectionWatcher::Watch> watch = WatchClient(req, &cancellation);
     Track(&cancellation);
     ChatCall call;
     call.front_end = "http";
@@ -195,6 +245,9 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   // Streaming: the pipeline runs on its own thread; this one waits for the
   // first event (commit to SSE) or an early error (a plain error response).
   auto stream = std::make_shared<SseStream>();
+  // A client that leaves is noticed at once, also before the first event
+  // and during a long prefill, when nothing is written.
+  stream->watch = WatchClient(req, &stream->cancellation);
   Track(&stream->cancellation);
   // The request, to name an image's param in errors; its image bytes go to the pipeline.
   auto request = std::make_shared<const v1::ChatRequest>(std::move(parsed.request));
@@ -220,6 +273,7 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   }
   if (early_error) {
     stream->worker.join();
+    stream->watch.reset();
     Untrack(&stream->cancellation);
     return SendError(res, ApiErrorFromStatus(status, request.get()));
   }
@@ -267,6 +321,8 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
       [this, stream](bool success) {
         if (!success) stream->cancellation.Cancel();
         if (stream->worker.joinable()) stream->worker.join();
+        // Before httplib shuts the socket down or reads the next request.
+        stream->watch.reset();
         Untrack(&stream->cancellation);
         Metrics().sse_open.Decrement();
       });

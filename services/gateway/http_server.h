@@ -15,14 +15,20 @@
 //
 // Streaming: the response commits to 200 + text/event-stream only when the
 // first chunk exists, so errors before any token (validation, admission, image
-// encoding, warm-up) keep their own status. A client that goes away (a write
-// fails) cancels the generation: the language service frees the slot and the
-// admission permit is released. A non-streaming request runs to its end (or
-// its deadline) even if its client leaves: nothing is written until then.
+// encoding, warm-up) keep their own status.
+//
+// A client that goes away cancels its request, streamed or not, in any phase
+// (queued for admission, encoding, prefill, decoding): the language service
+// frees the sequence and the admission permit is released. Each chat request's
+// connection is watched (connection_watch.h: the peer's FIN or RST, seen by
+// poll) for as long as the request runs; a failed SSE write cancels too.
 //
 // Metrics (on the gateway's /metrics): vlm_gateway_http_requests_total{route,
-// status} (route: the API paths, "page" or "other") and
-// vlm_gateway_http_sse_streams_open; the chat latencies are the pipeline's own
+// status} (route: the API paths, "page" or "other"),
+// vlm_gateway_http_sse_streams_open, vlm_gateway_http_client_gone_total
+// (requests cancelled by a watched connection closing) and
+// vlm_gateway_http_unwatched_requests_total (connections that could not be
+// watched; expected 0); the chat latencies are the pipeline's own
 // (vlm_gateway_queue_seconds, ..., shared with gRPC).
 //
 // Thread-safety: Start/Stop from one thread; requests run on the server's pool.

@@ -16,6 +16,9 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/flags.h"
@@ -91,6 +94,8 @@ ABSL_FLAG(double, remote_image_timeout_s, 10,
 
 namespace {
 
+using namespace vlm::gateway;  // NOLINT: the binary of this namespace
+
 constexpr char kComponent[] = "gateway";
 
 // The model id: --served_model_name, else the checkpoint directory's name.
@@ -103,27 +108,16 @@ std::string ServedModelName() {
   return name.empty() ? "qwen3-vl" : name;
 }
 
-}  // namespace
 
-int main(int argc, char** argv) {
-  using namespace vlm::gateway;  // NOLINT
-  absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50051");
-  absl::SetFlag(&FLAGS_metrics_address, "0.0.0.0:9090");
-  vlm::ParseCommandLine(argc, argv,
-                        "vlm-gateway: the public vlm.v1.VisionLanguage API over the vision and "
-                        "language services");
-  vlm::LogEffectiveConfiguration(kComponent);
-
+// Backend channels: reconnect backoff, keepalive, optional TLS.
+absl::StatusOr<ChannelOptions> ChannelOptionsFromFlags() {
   ChannelOptions channel;
   channel.max_reconnect_backoff = absl::Milliseconds(absl::GetFlag(FLAGS_backend_reconnect_max_ms));
-  HealthWatchOptions health_options;
-  health_options.retry_max = channel.max_reconnect_backoff;
   const int keepalive_ms = absl::GetFlag(FLAGS_backend_keepalive_ms);
   const int keepalive_timeout_ms = absl::GetFlag(FLAGS_backend_keepalive_timeout_ms);
   if ((keepalive_ms != 0 && keepalive_ms < 1000) || keepalive_timeout_ms < 1) {
-    vlm::LogError(kComponent, "bad flags: need --backend_keepalive_ms 0 or >= 1000 and "
-                              "--backend_keepalive_timeout_ms >= 1");
-    return 2;
+    return absl::InvalidArgumentError(
+        "need --backend_keepalive_ms 0 or >= 1000 and --backend_keepalive_timeout_ms >= 1");
   }
   channel.keepalive_time = absl::Milliseconds(keepalive_ms);
   channel.keepalive_timeout = absl::Milliseconds(keepalive_timeout_ms);
@@ -137,23 +131,26 @@ int main(int argc, char** argv) {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
         vlm::MakeChannelCredentials(backend_tls);
     if (!credentials.ok()) {
-      vlm::LogError(kComponent, "bad --backend_tls_* flags",
-                    {{"error", credentials.status().ToString()}});
-      return 2;
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad --backend_tls_* flags: ", credentials.status().ToString()));
     }
     channel.credentials = *credentials;
     channel.tls_server_name = backend_tls.server_name;
   }
   vlm::LogInfo(kComponent, "backend channels", {{"tls", vlm::DescribeTls(backend_tls)}});
+  return channel;
+}
 
+absl::StatusOr<VisionRouterOptions> RouterOptionsFromFlags(const ChannelOptions& channel,
+                                                           const HealthWatchOptions& health) {
   VisionRouterOptions router_options;
   router_options.dns_target = absl::GetFlag(FLAGS_vision_dns);
   if (router_options.dns_target.empty()) {
     absl::StatusOr<std::vector<std::string>> targets =
         ParseTargetList(absl::GetFlag(FLAGS_vision_targets));
     if (!targets.ok()) {
-      vlm::LogError(kComponent, "bad --vision_targets", {{"error", targets.status().ToString()}});
-      return 2;
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad --vision_targets: ", targets.status().ToString()));
     }
     router_options.static_targets = *targets;
   }
@@ -161,8 +158,11 @@ int main(int argc, char** argv) {
   router_options.max_attempts = absl::GetFlag(FLAGS_vision_max_attempts);
   router_options.retry_backoff = absl::Milliseconds(absl::GetFlag(FLAGS_vision_retry_backoff_ms));
   router_options.channel = channel;
-  router_options.health = health_options;
+  router_options.health = health;
+  return router_options;
+}
 
+absl::StatusOr<GatewayOptions> GatewayOptionsFromFlags() {
   GatewayOptions options;
   options.limits.max_messages = absl::GetFlag(FLAGS_max_messages);
   options.limits.max_images_per_request = absl::GetFlag(FLAGS_max_images_per_request);
@@ -178,73 +178,52 @@ int main(int argc, char** argv) {
       default_deadline_s > 0 ? absl::Seconds(default_deadline_s) : absl::InfiniteDuration();
   if (options.spatial_merge_size < 1 || options.default_max_tokens < 0 ||
       options.default_max_tokens > options.limits.max_tokens_limit) {
-    vlm::LogError(kComponent, "bad flags: need spatial_merge_size >= 1 and "
-                              "0 <= default_max_tokens <= max_tokens_limit");
-    return 2;
+    return absl::InvalidArgumentError(
+        "need spatial_merge_size >= 1 and 0 <= default_max_tokens <= max_tokens_limit");
   }
+  options.language_target = absl::GetFlag(FLAGS_language_target);
+  return options;
+}
 
-  const std::string name = GatewayService::kServiceName;
-  vlm::Server server(vlm::ServerOptions::FromFlags());
-  BackendHealth health(&server.readiness(), name);
-  absl::StatusOr<std::unique_ptr<VisionRouter>> router =
-      VisionRouter::Create(router_options, [&health] { health.Update(); });
-  if (!router.ok()) {
-    vlm::LogError(kComponent, "cannot set up the vision replicas",
-                  {{"error", router.status().ToString()}});
-    return 2;
+// The keys of --api_keys_file, or nullptr when unset (no keys required).
+absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeysFromFlags() {
+  const std::string path = absl::GetFlag(FLAGS_api_keys_file);
+  if (path.empty()) return std::unique_ptr<ApiKeys>();
+  absl::StatusOr<ApiKeys> keys = ApiKeys::LoadFile(path);
+  if (!keys.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("bad --api_keys_file: ", keys.status().ToString()));
   }
-  const std::string language_target = absl::GetFlag(FLAGS_language_target);
-  std::shared_ptr<grpc::Channel> language_channel = CreateBackendChannel(language_target, channel);
-  options.language_target = language_target;
-  Admission admission(absl::GetFlag(FLAGS_max_inflight), absl::GetFlag(FLAGS_max_queue),
-                      GatewayService::AdmissionGauges());
-  // One pipeline, two front ends (gRPC and HTTP); optional API keys for both.
-  std::unique_ptr<ApiKeys> api_keys;
-  if (const std::string path = absl::GetFlag(FLAGS_api_keys_file); !path.empty()) {
-    absl::StatusOr<ApiKeys> keys = ApiKeys::LoadFile(path);
-    if (!keys.ok()) {
-      vlm::LogError(kComponent, "bad --api_keys_file", {{"error", keys.status().ToString()}});
-      return 2;
-    }
-    api_keys = std::make_unique<ApiKeys>(*std::move(keys));
-  }
-  ChatPipeline pipeline(options, &server.readiness(), &admission, router->get(),
-                        vlm::v1::Language::NewStub(language_channel));
-  GatewayService service(&pipeline, api_keys.get());
-  server.AddService(&service, name, "waiting for the backends' health");
-  if (absl::Status s = server.Start(); !s.ok()) {
-    vlm::LogError(kComponent, "cannot start", {{"error", s.ToString()}});
-    return 1;
-  }
-  std::unique_ptr<HttpServer> http;
-  if (const std::string address = absl::GetFlag(FLAGS_http_address); !address.empty()) {
-    HttpServerOptions http_options;
-    http_options.address = address;
-    http_options.served_model_name = ServedModelName();
-    http_options.max_body_bytes = absl::GetFlag(FLAGS_max_http_body_bytes);
-    http_options.threads = absl::GetFlag(FLAGS_http_threads);
-    http_options.allow_remote_images = absl::GetFlag(FLAGS_allow_remote_images);
-    http_options.max_remote_image_bytes = options.limits.max_image_bytes;
-    http_options.remote_image_timeout = absl::Seconds(absl::GetFlag(FLAGS_remote_image_timeout_s));
-    absl::StatusOr<std::unique_ptr<HttpServer>> started =
-        HttpServer::Start(http_options, &pipeline, api_keys.get());
-    if (!started.ok()) {
-      vlm::LogError(kComponent, "cannot start HTTP", {{"error", started.status().ToString()}});
-      server.Shutdown(started.status());
-      server.Wait().IgnoreError();  // the start failure above is what this exit reports
-      return 1;
-    }
-    http = *std::move(started);
-    vlm::Log(vlm::LogLevel::kInfo, kComponent, "http listening",
-             {{"address", http->address()}, {"model", http_options.served_model_name},
-              {"api_keys", api_keys ? static_cast<int>(api_keys->size()) : 0}});
-    std::printf("vlm: http=%s\n", http->address().c_str());
-    std::fflush(stdout);
-  }
-  VisionRouter* router_ptr = router->get();
-  health.Start(language_target, language_channel, [router_ptr] { return router_ptr->Replicas(); },
-               health_options);
-  // HTTP requests drain in the same window as gRPC ones, counted from the signal.
+  return std::make_unique<ApiKeys>(*std::move(keys));
+}
+
+// The OpenAI-compatible HTTP front end on --http_address, or nullptr when it is "".
+absl::StatusOr<std::unique_ptr<HttpServer>> StartHttpFromFlags(const GatewayOptions& options,
+                                                               ChatPipeline* pipeline,
+                                                               const ApiKeys* api_keys) {
+  const std::string address = absl::GetFlag(FLAGS_http_address);
+  if (address.empty()) return std::unique_ptr<HttpServer>();
+  HttpServerOptions http_options;
+  http_options.address = address;
+  http_options.served_model_name = ServedModelName();
+  http_options.max_body_bytes = absl::GetFlag(FLAGS_max_http_body_bytes);
+  http_options.threads = absl::GetFlag(FLAGS_http_threads);
+  http_options.allow_remote_images = absl::GetFlag(FLAGS_allow_remote_images);
+  http_options.max_remote_image_bytes = options.limits.max_image_bytes;
+  http_options.remote_image_timeout = absl::Seconds(absl::GetFlag(FLAGS_remote_image_timeout_s));
+  absl::StatusOr<std::unique_ptr<HttpServer>> started =
+      HttpServer::Start(http_options, pipeline, api_keys);
+  if (!started.ok()) return started.status();
+  vlm::Log(vlm::LogLevel::kInfo, kComponent, "http listening",
+           {{"address", (*started)->address()}, {"model", http_options.served_model_name},
+            {"api_keys", api_keys ? static_cast<int>(api_keys->size()) : 0}});
+  std::printf("vlm: http=%s\n", (*started)->address().c_str());
+  std::fflush(stdout);
+  return started;
+}
+
+// Waits for the gRPC server to finish (a signal drains it); HTTP requests
+// drain in the same window, counted from the signal.
+absl::Status ServeUntilDrained(vlm::Server& server, HttpServer* http) {
   std::atomic<bool> waited{false};
   absl::Time drain_started = absl::InfiniteFuture();
   std::thread drain_watch([&] {
@@ -254,11 +233,74 @@ int main(int argc, char** argv) {
   absl::Status done = server.Wait();
   waited = true;
   drain_watch.join();
-  if (http) {
+  if (http != nullptr) {
     http->Stop(std::max(absl::ZeroDuration(),
                         drain_started + absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s)) -
                             absl::Now()));
   }
+  return done;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50051");
+  absl::SetFlag(&FLAGS_metrics_address, "0.0.0.0:9090");
+  vlm::ParseCommandLine(argc, argv,
+                        "vlm-gateway: the public vlm.v1.VisionLanguage API over the vision and "
+                        "language services");
+  vlm::LogEffectiveConfiguration(kComponent);
+  auto bad_flags = [](const absl::Status& status) {
+    vlm::LogError(kComponent, "bad flags", {{"error", status.ToString()}});
+    return 2;
+  };
+  absl::StatusOr<ChannelOptions> channel = ChannelOptionsFromFlags();
+  if (!channel.ok()) return bad_flags(channel.status());
+  HealthWatchOptions health_options;
+  health_options.retry_max = channel->max_reconnect_backoff;
+  absl::StatusOr<VisionRouterOptions> router_options =
+      RouterOptionsFromFlags(*channel, health_options);
+  if (!router_options.ok()) return bad_flags(router_options.status());
+  absl::StatusOr<GatewayOptions> options = GatewayOptionsFromFlags();
+  if (!options.ok()) return bad_flags(options.status());
+  absl::StatusOr<std::unique_ptr<ApiKeys>> api_keys = ApiKeysFromFlags();
+  if (!api_keys.ok()) return bad_flags(api_keys.status());
+
+  const std::string name = GatewayService::kServiceName;
+  vlm::Server server(vlm::ServerOptions::FromFlags());
+  BackendHealth health(&server.readiness(), name);
+  absl::StatusOr<std::unique_ptr<VisionRouter>> router =
+      VisionRouter::Create(*router_options, [&health] { health.Update(); });
+  if (!router.ok()) {
+    vlm::LogError(kComponent, "cannot set up the vision replicas",
+                  {{"error", router.status().ToString()}});
+    return 2;
+  }
+  std::shared_ptr<grpc::Channel> language_channel =
+      CreateBackendChannel(options->language_target, *channel);
+  Admission admission(absl::GetFlag(FLAGS_max_inflight), absl::GetFlag(FLAGS_max_queue),
+                      GatewayService::AdmissionGauges());
+  // One pipeline, two front ends (gRPC and HTTP); optional API keys for both.
+  ChatPipeline pipeline(*options, &server.readiness(), &admission, router->get(),
+                        vlm::v1::Language::NewStub(language_channel));
+  GatewayService service(&pipeline, api_keys->get());
+  server.AddService(&service, name, "waiting for the backends' health");
+  if (absl::Status s = server.Start(); !s.ok()) {
+    vlm::LogError(kComponent, "cannot start", {{"error", s.ToString()}});
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<HttpServer>> http =
+      StartHttpFromFlags(*options, &pipeline, api_keys->get());
+  if (!http.ok()) {
+    vlm::LogError(kComponent, "cannot start HTTP", {{"error", http.status().ToString()}});
+    server.Shutdown(http.status());
+    server.Wait().IgnoreError();  // the start failure above is what this exit reports
+    return 1;
+  }
+  VisionRouter* router_ptr = router->get();
+  health.Start(options->language_target, language_channel,
+               [router_ptr] { return router_ptr->Replicas(); }, health_options);
+  absl::Status done = ServeUntilDrained(server, http->get());
   health.Stop();
   router->reset();
   return done.ok() ? 0 : 1;

@@ -20,11 +20,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
+#include "common/kernels/kernel_path.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/tensor_codec.h"
-#include "services/language/stop_strings.h"
-#include "services/language/utf8.h"
+#include "services/language/sampling/stop_strings.h"
+#include "services/language/text/utf8.h"
 
 namespace vlm::language {
 namespace {
@@ -230,6 +231,8 @@ LanguageService::~LanguageService() {
 absl::Status LanguageService::Load() {
   const std::string& dir = options_.model_dir;
   if (dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
+  // The GEMM path (AMX only where a start-up check verified it), before packing.
+  if (auto k = kernels::ChooseKernelPathAtStartup(kLog); !k.ok()) return k.status();
   readiness_->SetNotServing(kLanguageServiceName, "warming up: reading the model files");
 
   // The tokenizer (the slowest file to parse) loads beside the weights.

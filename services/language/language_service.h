@@ -47,12 +47,12 @@
 #include "common/model_config.h"
 #include "common/readiness.h"
 #include "common/safetensors.h"
-#include "services/language/chat_template.h"
-#include "services/language/decoder.h"
-#include "services/language/engine.h"
-#include "services/language/generator.h"
-#include "services/language/projector.h"
-#include "services/language/tokenizer.h"
+#include "services/language/text/chat_template.h"
+#include "services/language/model/decoder.h"
+#include "services/language/engine/engine.h"
+#include "services/language/engine/generator.h"
+#include "services/language/model/projector.h"
+#include "services/language/text/tokenizer.h"
 #include "vlm/v1/language.grpc.pb.h"
 
 namespace vlm::language {

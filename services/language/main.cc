@@ -1,12 +1,23 @@
 // vlm-language: the language service (projector + Qwen3 decoder, streaming
 // generation) over gRPC. See architecture.md and language_service.h.
+//
+//   vlm-language --model_dir=/models/qwen3-vl-2b
+//
+// gRPC on :50053 and metrics on :9092 by default, so that the three services
+// started with their defaults on one host find each other (the gateway expects
+// language on 127.0.0.1:50053). Flags: --helpfull.
+//
+// Test hook (environment, not a flag): VLM_TEST_WARMUP_DELAY_MS delays the
+// end of the warm-up, for tests of readiness gating.
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/cpu_features.h"
@@ -32,10 +43,6 @@ ABSL_FLAG(int64_t, kv_cache_mb, 2048, "paged KV cache budget in MiB (blocks are 
 ABSL_FLAG(int64_t, kv_block_size, 16, "tokens per KV cache block");
 ABSL_FLAG(bool, prefix_cache, true, "reuse the KV of cached prompt prefixes (text and images)");
 ABSL_FLAG(int64_t, max_context, 8192, "prompt + completion tokens per sequence (KV cache size)");
-ABSL_FLAG(int64_t, prefill_chunk_tokens, 512, "prompt tokens per prefill pass (0 = whole prompt)");
-ABSL_FLAG(bool, use_gemv, true,
-          "LM head (and, with --matmul=torch, decode-row projections) through the bf16 "
-          "matrix-vector kernels");
 ABSL_FLAG(std::string, matmul, "auto",
           "decoder projections in bf16: kernels (packed weights, the project's GEMM for prefill "
           "and decode rows; needs AVX-512 BF16 or AMX), torch (at::linear + vlm::Gemv), auto "
@@ -46,12 +53,25 @@ ABSL_FLAG(std::string, weight_dtype, "bf16",
 ABSL_FLAG(bool, int8_prefill_gemm, true,
           "with --weight_dtype int8: prefill rows on the bf16 GEMM over int8 weights converted "
           "per call (faster where prefill is compute-bound); false: the int8 GEMV like decode rows");
-ABSL_FLAG(int, intra_op_threads, 0, "LibTorch intra-op threads; 0 = hardware concurrency");
-ABSL_FLAG(int, warmup_delay_ms, 0, "artificial delay after the projector warm-up (tests of readiness)");
+ABSL_FLAG(int, intra_op_threads, 0,
+          "compute threads (the kernels' pool and LibTorch intra-op); 0 = the cores this "
+          "process may use (CPU affinity, capped by a cgroup CPU quota)");
 
 namespace {
 
 constexpr char kLog[] = "language";
+
+// VLM_TEST_WARMUP_DELAY_MS: milliseconds, >= 0; anything else is a startup error.
+absl::StatusOr<absl::Duration> TestWarmupDelay() {
+  std::optional<std::string> value = vlm::GetEnv("VLM_TEST_WARMUP_DELAY_MS");
+  if (!value.has_value() || value->empty()) return absl::ZeroDuration();
+  int ms = 0;
+  if (!absl::SimpleAtoi(*value, &ms) || ms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("VLM_TEST_WARMUP_DELAY_MS=\"", *value, "\" is not a number of milliseconds"));
+  }
+  return absl::Milliseconds(ms);
+}
 
 int Run() {
   using vlm::language::LanguageServiceOptions;
@@ -74,8 +94,6 @@ int Run() {
   options.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
   options.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
   options.max_context = absl::GetFlag(FLAGS_max_context);
-  options.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
-  options.use_gemv = absl::GetFlag(FLAGS_use_gemv);
   absl::StatusOr<vlm::language::MatmulPath> matmul =
       vlm::language::ParseMatmulPath(absl::GetFlag(FLAGS_matmul));
   if (!matmul.ok()) {
@@ -91,7 +109,12 @@ int Run() {
   }
   options.weight_dtype = *weight_dtype;
   options.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
-  options.warmup_delay = absl::Milliseconds(absl::GetFlag(FLAGS_warmup_delay_ms));
+  absl::StatusOr<absl::Duration> warmup_delay = TestWarmupDelay();
+  if (!warmup_delay.ok()) {
+    vlm::LogError(kLog, "bad test hook", {{"error", warmup_delay.status().ToString()}});
+    return 2;
+  }
+  options.warmup_delay = *warmup_delay;
   if (options.model_dir.empty() || options.max_sequences < 1 || options.max_queue < 0 ||
       options.max_context < 2 || options.resident_layers < 0 || options.max_batch_tokens < 1 ||
       options.kv_cache_mb < 1 || options.kv_block_size < 1) {
@@ -101,7 +124,7 @@ int Run() {
     return 2;
   }
   int threads = absl::GetFlag(FLAGS_intra_op_threads);
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 0) threads = vlm::UsableCores();
   at::set_num_threads(threads);
   vlm::LogInfo(kLog, "cpu", {{"features", vlm::GetCpuFeatures().Describe()},
                              {"intra_op_threads", threads},
@@ -134,7 +157,8 @@ int Run() {
 
 int main(int argc, char** argv) {
   vlm::EnsureOmpWaitPolicy(argv);  // before any thread: see omp_wait_policy.h
-  absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052");
+  absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50053");
+  absl::SetFlag(&FLAGS_metrics_address, "0.0.0.0:9092");
   vlm::ParseCommandLine(argc, argv, "vlm-language: projector + Qwen3 decoder, streaming generation");
   vlm::LogEffectiveConfiguration(kLog);
   return Run();

@@ -3,8 +3,9 @@
 //   vlm-vision --model_dir=/models/qwen3-vl-2b --cache_dir=/var/cache/vlm-vision
 //
 // Health is NOT_SERVING until the weights are mapped and a warm-up forward has
-// run; SIGTERM drains (see common/server.h). gRPC on :50052 by default,
-// metrics on :9090 (the common default). Flags: --helpfull.
+// run; SIGTERM drains (see common/server.h). gRPC on :50052 and metrics on
+// :9091 by default, so that the three services started with their defaults on
+// one host do not collide. Flags: --helpfull.
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -17,6 +18,7 @@
 int main(int argc, char** argv) {
   vlm::EnsureOmpWaitPolicy(argv);  // before any thread: see omp_wait_policy.h
   absl::SetFlag(&FLAGS_grpc_address, "0.0.0.0:50052");
+  absl::SetFlag(&FLAGS_metrics_address, "0.0.0.0:9091");
   vlm::ParseCommandLine(argc, argv, "vlm-vision: images to Qwen3-VL vision features (gRPC)");
   vlm::LogEffectiveConfiguration("vision");
   absl::StatusOr<vlm::vision::VisionServiceConfig> config =

@@ -209,8 +209,8 @@ absl::StatusOr<std::unique_ptr<VisionModel>> VisionModel::Load(
       kernel_note = "LibTorch (this CPU has no AVX-512 BF16 for the project's kernels)";
     } else if (GetCpuFeatures().amx_bf16 && path != kernels::GemmPath::kAmx) {
       // oneDNN runs AMX here (~3x the AVX-512 BF16 rate) while the project's
-      // AMX path is not yet verified on such a machine (VLM_GEMM_PATH=amx forces it).
-      kernel_note = "LibTorch (oneDNN uses AMX on this CPU; the project's AMX path is opt-in)";
+      // AMX path was not chosen at start-up (kernel_path.h; --kernel_path=amx forces it).
+      kernel_note = "LibTorch (oneDNN uses AMX on this CPU; the project's AMX path was not chosen)";
     } else {
       auto pack = [&](at::Tensor* w, at::Tensor* b, kernels::PackedWeight* out) -> absl::Status {
         absl::StatusOr<kernels::PackedWeight> p = kernels::PackedWeight::Pack(*w, *b, path);

@@ -32,8 +32,9 @@ struct VisionModelOptions {
   // bf16 compute through the project's kernels (common/kernels: prepacked
   // GEMM with fused bias/GELU/residual, flash attention) where the CPU runs
   // them (AVX-512 BF16) and LibTorch would not use AMX (on AMX CPUs only when
-  // the GEMM path is amx); false keeps LibTorch for every step (the previous
-  // path, kept for comparison). float32 compute always uses LibTorch.
+  // the GEMM path is amx); false runs every step through LibTorch (the
+  // baseline vlm-bench-vision and the kernel tests compare against). float32
+  // compute always uses LibTorch.
   bool use_kernels = true;
 };
 

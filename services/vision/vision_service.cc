@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "common/torch_util.h"
 #include "common/grpc_status.h"
+#include "common/kernels/kernel_path.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -723,6 +724,8 @@ void VisionService::StartPublisher() {
 absl::Status VisionService::Load() {
   if (loaded() || model_ != nullptr) return absl::FailedPreconditionError("Load called twice");
   if (absl::Status s = CheckServiceConfig(config_); !s.ok()) return s;
+  // The GEMM path (AMX only where a start-up check verified it), before packing.
+  if (auto k = kernels::ChooseKernelPathAtStartup(kLog); !k.ok()) return k.status();
   LogInfo(kLog, "loading the vision encoder", {{"config", config_.Describe()}});
   LoadPhaseTimer config_timer("vision_config");
   absl::StatusOr<std::string> config_json = ReadFileToString(config_.model_dir + "/config.json");

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "services/language/chat_template.h"
+#include "services/language/text/chat_template.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_tokenizer.h"
 

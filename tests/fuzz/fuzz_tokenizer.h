@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "services/language/tokenizer.h"
+#include "services/language/text/tokenizer.h"
 
 namespace vlm::fuzz {
 

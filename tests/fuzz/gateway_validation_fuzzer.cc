@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "services/gateway/validation.h"
-#include "services/language/chat_template.h"
+#include "services/language/text/chat_template.h"
 #include "google/protobuf/stubs/logging.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "vlm/v1/gateway.pb.h"

@@ -246,6 +246,29 @@ def tensor_codec_seeds():
     write("tensor_codec", "scalar", b"\x00" + tensor(3, [], struct.pack("<f", 1.5)))
 
 
+# --- grammar: byte 0 even = JSON Schema, odd = regex -----------------------------
+
+def grammar_seeds():
+    schemas = {
+        "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 150}}, "required": ["name"]},
+        "formats": {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                    "id": {"type": "string", "format": "uuid"}, "e": {"type": "string", "format": "email"}}},
+        "anyof_enum": {"anyOf": [{"enum": ["a", 1, None]}, {"type": "array", "items": {"type": "number",
+                       "exclusiveMinimum": -1.5}, "maxItems": 3}]},
+        "recursive": {"$defs": {"n": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/n"},
+                      {"type": "null"}]}}, "required": ["next"]}}, "$ref": "#/$defs/n"},
+        "additional": {"type": "object", "properties": {"k": {"const": True}},
+                       "additionalProperties": {"type": ["string", "null"]}},
+        "any": {},
+    }
+    for name, schema in schemas.items():
+        write("grammar", "schema_" + name, b"\x00" + json.dumps(schema).encode())
+    for name, pattern in {"phone": r"\+?[0-9]{1,3}-[0-9]{3}", "class": r"[^a-c\s]{2}(x|yz)*\.",
+                          "utf8": "[\u03b1-\u03c9]+\u00e9?"}.items():
+        write("grammar", "regex_" + name, b"\x01" + pattern.encode())
+
+
 if __name__ == "__main__":
     image_seeds()
     safetensors_seeds()
@@ -254,6 +277,7 @@ if __name__ == "__main__":
     chat_template_seeds()
     gateway_seeds()
     tensor_codec_seeds()
+    grammar_seeds()
     for target in sorted(os.listdir(OUT)):
         files = os.listdir(os.path.join(OUT, target))
         print(f"{target}: {len(files)} seeds, {sum(os.path.getsize(os.path.join(OUT, target, f)) for f in files)} bytes")

@@ -18,8 +18,8 @@
 #include <unicode/normalizer2.h>
 #include <unicode/unistr.h>
 
-#include "services/language/tokenizer.h"
-#include "services/language/utf8.h"
+#include "services/language/text/tokenizer.h"
+#include "services/language/text/utf8.h"
 #include "tests/fuzz/fuzz_check.h"
 #include "tests/fuzz/fuzz_tokenizer.h"
 

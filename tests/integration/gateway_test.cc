@@ -138,10 +138,9 @@ class GatewayTest : public ::testing::Test {
         std::vector<std::string>{"--model_dir=" + model_dir_,
                                  absl::StrCat("--grpc_address=127.0.0.1:", port),
                                  "--metrics_address=127.0.0.1:0", "--intra_op_threads=1",
-                                 "--max_sequences=1", "--max_queue=8",
-                                 absl::StrCat("--warmup_delay_ms=", warmup_delay_ms),
-                                 "--drain_timeout_s=2"},
-        log_dir_ + "/language");
+                                 "--max_sequences=1", "--max_queue=8", "--drain_timeout_s=2"},
+        log_dir_ + "/language",
+        std::vector<std::string>{absl::StrCat("VLM_TEST_WARMUP_DELAY_MS=", warmup_delay_ms)});
   }
 
   static void SetUpTestSuite() {

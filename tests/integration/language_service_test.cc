@@ -16,6 +16,7 @@
 #include <regex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -23,7 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "services/language/tokenizer.h"
+#include "services/language/text/tokenizer.h"
 #include "tests/integration/service_process.h"
 #include "vlm/v1/language.grpc.pb.h"
 
@@ -45,12 +46,14 @@ std::string TinyCheckpoint() {
 // One vlm-language process on loopback ports of its own, with the tiny
 // checkpoint, one intra-op thread and `flags`; logs under `name`.
 std::unique_ptr<ServiceProcess> StartLanguage(const std::string& name,
-                                              const std::vector<std::string>& flags) {
+                                              const std::vector<std::string>& flags,
+                                              std::vector<std::string> env = {}) {
   std::vector<std::string> args = {"--model_dir=" + TinyCheckpoint(), "--grpc_address=127.0.0.1:0",
                                    "--metrics_address=127.0.0.1:0", "--intra_op_threads=1"};
   args.insert(args.end(), flags.begin(), flags.end());
   return std::make_unique<ServiceProcess>(
-      VLM_LANGUAGE_PATH, args, testing::TestLogDir("language_service_test") + "/" + name);
+      VLM_LANGUAGE_PATH, args, testing::TestLogDir("language_service_test") + "/" + name,
+      std::move(env));
 }
 
 // A one-user-turn text request with greedy defaults the tests rely on.
@@ -138,7 +141,7 @@ Streamed Generate(v1::Language::Stub& stub, const GenerateRequest& request,
 // ---------------------------------------------------------------------------
 
 TEST(LanguageWarmUpTest, AnswersUnavailableWhileTheProjectorWarmsUp) {
-  std::unique_ptr<ServiceProcess> server = StartLanguage("warmup", {"--warmup_delay_ms=2500"});
+  std::unique_ptr<ServiceProcess> server = StartLanguage("warmup", {}, {"VLM_TEST_WARMUP_DELAY_MS=2500"});
   ASSERT_TRUE(server->WaitListening(absl::Seconds(30))) << server->LogTail();
   auto channel = grpc::CreateChannel(server->grpc_target(), grpc::InsecureChannelCredentials());
   auto stub = v1::Language::NewStub(channel);

@@ -3,7 +3,7 @@
 // response shapes, SSE framing as curl sees it, answers equal to gRPC's,
 // images as data URLs and the cache, logprobs, every bad input's precise 4xx,
 // API keys on HTTP and gRPC, admission refusals (429 + Retry-After), not-ready
-// (503), and a client disconnect that frees the language slot.
+// (503), and a client disconnect (streamed or not) that frees the language slot.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -551,6 +551,44 @@ TEST_F(OpenAiHttpTest, ClientDisconnectCancelsTheGenerationAndFreesTheSlot) {
   const std::string streamed = ReadFile(out);
   EXPECT_FALSE(absl::StrContains(streamed, "[DONE]"));
   // The single language slot (--max_sequences=1) is free again.
+  auto res = Post(ChatBody("Are you free?", 2));
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+}
+
+TEST_F(OpenAiHttpTest, NonStreamedClientDisconnectCancelsTheGenerationAndFreesTheSlot) {
+  // The OpenAI SDKs' default mode: nothing is written until the end, so only
+  // the gateway's watch on the connection can notice the client leaving.
+  json body = ChatBody("Tell me a very long story.", 8192);
+  body["ignore_eos"] = true;
+  const double gone_before = Metric(gateway_->metrics_port, "vlm_gateway_http_client_gone_total");
+  const pid_t curl = ::fork();
+  if (curl == 0) {
+    ::execlp("curl", "curl", "-s", "--max-time", "120", "-o", "/dev/null", "-H",
+             "Content-Type: application/json", "-d", body.dump().c_str(),
+             Url("/v1/chat/completions").c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_GT(curl, 0);
+  ASSERT_TRUE(Eventually(
+      [&] { return Metric(language_->metrics_port, "vlm_language_sequences_running") == 1; },
+      absl::Seconds(30)));
+  EXPECT_EQ(Metric(gateway_->metrics_port, "vlm_gateway_admission_running"), 1);
+  absl::SleepFor(absl::Milliseconds(300));  // generating, not just admitted
+  ::kill(curl, SIGKILL);
+  int status = 0;
+  ::waitpid(curl, &status, 0);
+  const absl::Time killed = absl::Now();
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return Metric(gateway_->metrics_port, "vlm_gateway_admission_running") == 0 &&
+               Metric(language_->metrics_port, "vlm_language_sequences_running") == 0;
+      },
+      absl::Seconds(5)));
+  std::printf("slot freed %.0f ms after the non-streaming client was killed\n",
+              absl::ToDoubleMilliseconds(absl::Now() - killed));
+  EXPECT_EQ(Metric(gateway_->metrics_port, "vlm_gateway_http_client_gone_total"), gone_before + 1);
+  EXPECT_EQ(Metric(gateway_->metrics_port, "vlm_gateway_http_unwatched_requests_total"), 0);
   auto res = Post(ChatBody("Are you free?", 2));
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 200) << res->body;

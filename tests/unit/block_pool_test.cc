@@ -1,14 +1,14 @@
 // BlockPool states (free / cached / in use), LRU eviction of unreferenced
 // cached blocks, and the prefix keys of full blocks (tokens, parent chain,
 // image key and offset).
-#include "services/language/block_pool.h"
+#include "services/language/engine/block_pool.h"
 
 #include <gtest/gtest.h>
 
 #include <set>
 #include <vector>
 
-#include "services/language/block_key.h"
+#include "services/language/engine/block_key.h"
 
 namespace vlm::language {
 namespace {

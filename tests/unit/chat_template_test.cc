@@ -1,7 +1,7 @@
 // The Qwen3-VL Instruct chat template: the spec's rendered examples a)-d)
 // (section 7.2) and ids of a), placeholder expansion (7.3), and the
 // conversations the API rejects.
-#include "services/language/chat_template.h"
+#include "services/language/text/chat_template.h"
 
 #include <cstdlib>
 

@@ -4,6 +4,7 @@
 
 #include <sched.h>
 
+#include <cstdlib>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -30,6 +31,62 @@ TEST(ParseComputeDTypeTest, RejectsOthersNamingTheAcceptedValues) {
     ASSERT_FALSE(d.ok()) << v;
     EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(d.status().message().find("bf16 or f32"), std::string::npos) << d.status();
+  }
+}
+
+TEST(IsaCapTest, Avx2HidesAvx512AndAmxButKeepsAvx2) {
+  CpuFeatures all;
+  all.avx2 = all.fma = all.f16c = all.avxvnni = true;
+  all.avx512f = all.avx512bw = all.avx512vl = all.avx512dq = all.avx512bf16 = true;
+  all.avx512vnni = all.amx_bf16 = all.amx_int8 = all.amx_tile = true;
+  absl::StatusOr<CpuFeatures> avx2 = CapCpuFeatures(all, "AVX2");
+  ASSERT_TRUE(avx2.ok()) << avx2.status();
+  EXPECT_TRUE(avx2->avx2 && avx2->fma && avx2->avxvnni);
+  EXPECT_FALSE(avx2->avx512f || avx2->avx512bw || avx2->avx512vl || avx2->avx512dq ||
+               avx2->avx512bf16 || avx2->avx512vnni || avx2->amx_bf16 || avx2->amx_int8 ||
+               avx2->amx_tile);
+  EXPECT_FALSE(avx2->fast_bf16_matmul());
+  EXPECT_TRUE(avx2->avx2_fma());
+  EXPECT_EQ(avx2->isa_cap, "avx2");
+  EXPECT_NE(avx2->Describe().find("VLM_ISA=avx2"), std::string::npos) << avx2->Describe();
+
+  absl::StatusOr<CpuFeatures> scalar = CapCpuFeatures(all, "scalar");
+  ASSERT_TRUE(scalar.ok());
+  EXPECT_FALSE(scalar->avx2 || scalar->fma || scalar->avx512f || scalar->amx_tile);
+
+  for (const char* native : {"", "native"}) {
+    absl::StatusOr<CpuFeatures> same = CapCpuFeatures(all, native);
+    ASSERT_TRUE(same.ok());
+    EXPECT_TRUE(same->avx512bf16 && same->amx_tile) << native;
+    EXPECT_TRUE(same->isa_cap.empty());
+  }
+  // A cap never adds what the CPU lacks.
+  CpuFeatures old;
+  absl::StatusOr<CpuFeatures> capped = CapCpuFeatures(old, "avx2");
+  ASSERT_TRUE(capped.ok());
+  EXPECT_FALSE(capped->avx2);
+
+  absl::StatusOr<CpuFeatures> bad = CapCpuFeatures(all, "avx1024");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("avx2"), std::string::npos);
+}
+
+// Under VLM_ISA (the _avx2 / _scalar ctest entries) every kernel's dispatch
+// sees the capped set; otherwise the CPU's own.
+TEST(IsaCapTest, GetCpuFeaturesAppliesTheEnvironment) {
+  const char* env = std::getenv("VLM_ISA");
+  absl::StatusOr<CpuFeatures> expected = CapCpuFeatures(GetDetectedCpuFeatures(), env ? env : "");
+  ASSERT_TRUE(expected.ok());
+  const CpuFeatures& f = GetCpuFeatures();
+  EXPECT_EQ(f.avx2, expected->avx2);
+  EXPECT_EQ(f.avx512f, expected->avx512f);
+  EXPECT_EQ(f.avx512bf16, expected->avx512bf16);
+  EXPECT_EQ(f.amx_tile, expected->amx_tile);
+  EXPECT_EQ(f.isa_cap, expected->isa_cap);
+  if (env != nullptr && std::string(env) == "avx2") {
+    EXPECT_FALSE(f.avx512f);
+    std::string why;
+    EXPECT_FALSE(RequestAmxPermission(&why));
   }
 }
 

@@ -22,8 +22,8 @@
 
 #include "common/model_config.h"
 #include "common/safetensors.h"
-#include "services/language/decoder.h"
-#include "services/language/projector.h"
+#include "services/language/model/decoder.h"
+#include "services/language/model/projector.h"
 
 namespace vlm::language::decoder_fixture {
 

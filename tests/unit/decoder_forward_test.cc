@@ -26,9 +26,9 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
-#include "services/language/decoder.h"
-#include "services/language/projector.h"
-#include "services/language/row_ops.h"
+#include "services/language/model/decoder.h"
+#include "services/language/model/projector.h"
+#include "common/kernels/row_ops.h"
 #include "tests/unit/decoder_fixture.h"
 
 namespace vlm::language {
@@ -578,7 +578,9 @@ TEST(DecoderForwardTest, PrefixHitGivesTheSameLogitsAndKvAsAColdRun) {
 // RowLinear's rows do not depend on how many rows share the call, for M up to
 // 300 on the 2B's gate/up shape (in 2048, out 6144) and the tiny model's
 // shapes, 1 and 2 threads. Small shapes: every M = 1..300. The 2B shape: every
-// M = 1..48, then every 7th (1.1 TFLOP per sweep in f32 otherwise).
+// M = 1..48, then every 7th (1.1 TFLOP per sweep in f32 otherwise). f32 runs
+// on kernels::GemmF32 and must hold whatever OpenBLAS's kernels are (CI runs
+// this again with OPENBLAS_CORETYPE=Haswell); bf16 on the padded at::linear.
 TEST(RowLinearTest, RowResultsDoNotDependOnRowCount) {
   at::manual_seed(5);
   struct Shape {

@@ -27,8 +27,10 @@
 #include <gtest/gtest.h>
 
 #include "common/kernels/gemm.h"
+#include "common/kernels/amx_emulation_support.h"
+#include "common/kernels/gemm.h"
 #include "common/kernels/gemv_int8.h"
-#include "services/language/decoder.h"
+#include "services/language/model/decoder.h"
 
 namespace vlm::language {
 namespace {
@@ -244,9 +246,25 @@ TEST(DecoderKernelsTest, PackedLayerHoldsOneCopyAndCountsPackedBytes) {
   EXPECT_EQ(estimate, held);  // Create's estimate (decode_weight_bytes) was exact
 }
 
-TEST(DecoderKernelsTest, KernelsAgreeWithTorchPathAndReference) {
-  std::string why;
-  if (!HaveKernels(&why)) GTEST_SKIP() << why;
+// Makes amx the default GEMM path while it lives: the real tiles where the
+// CPU has them, else the AMX emulation (amx_emulation.h).
+class AmxPathScope {
+ public:
+  AmxPathScope() : before_(kernels::DefaultGemmPath()) {
+    mode_ = kernels::testing::UseAmxEmulationUnlessHardware();
+    ok_ = kernels::SetDefaultGemmPath(kernels::GemmPath::kAmx).ok();
+  }
+  ~AmxPathScope() { (void)kernels::SetDefaultGemmPath(before_); }
+  bool ok() const { return ok_; }
+  const std::string& mode() const { return mode_; }
+
+ private:
+  kernels::GemmPath before_;
+  std::string mode_;
+  bool ok_ = false;
+};
+
+void ExpectKernelsAgreeWithTorchPathAndReference() {
   auto kern = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kKernels);
   auto torch = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kTorch);
   ASSERT_NE(kern, nullptr);
@@ -285,9 +303,33 @@ TEST(DecoderKernelsTest, KernelsAgreeWithTorchPathAndReference) {
   // f32 reference than 1.5x the torch path's distance (+0.5%).
   EXPECT_LT(worst_kt, 0.03);
   EXPECT_LT(worst_kr, 1.5 * worst_tr + 0.005) << "torch path error " << worst_tr;
-  std::printf("bf16 logits, max |diff| / max |logit|: kernels vs torch %.4f, kernels vs f32 "
-              "reference %.4f, torch vs reference %.4f\n",
-              worst_kt, worst_kr, worst_tr);
+  std::printf("bf16 logits, max |diff| / max |logit|: kernels (gemm %s) vs torch %.4f, kernels "
+              "vs f32 reference %.4f, torch vs reference %.4f\n",
+              kernels::GemmPathName(kernels::DefaultGemmPath()), worst_kt, worst_kr, worst_tr);
+}
+
+TEST(DecoderKernelsTest, KernelsAgreeWithTorchPathAndReference) {
+  std::string why;
+  if (!HaveKernels(&why)) GTEST_SKIP() << why;
+  ExpectKernelsAgreeWithTorchPathAndReference();
+}
+
+TEST(DecoderKernelsTest, KernelsOnAmxAgreeWithTorchPathAndReference) {
+  AmxPathScope amx;
+  ASSERT_TRUE(amx.ok()) << "the amx path needs AVX-512 BF16 (its epilogue) even when emulated";
+  RecordProperty("amx", amx.mode());
+  auto d = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kKernels);
+  ASSERT_NE(d, nullptr);
+  EXPECT_NE(d->load_summary().find("gemm/amx"), std::string::npos) << d->load_summary();
+  ExpectKernelsAgreeWithTorchPathAndReference();
+}
+
+TEST(DecoderKernelsTest, BatchInvarianceIsExactWithKernelsOnAmx) {
+  AmxPathScope amx;
+  ASSERT_TRUE(amx.ok());
+  auto d = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kKernels);
+  ASSERT_NE(d, nullptr);
+  ExpectBatchInvariance(*d);
 }
 
 TEST(DecoderKernelsTest, BatchInvarianceIsExactWithKernels) {

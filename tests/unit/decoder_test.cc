@@ -7,7 +7,7 @@
 //        (teacher-forced);
 // plus chunked == unchunked prefill, identical outputs under a resident-layer
 // bound, lazy loading, the tied-head rule and input validation.
-#include "services/language/decoder.h"
+#include "services/language/model/decoder.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -19,7 +19,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "services/language/projector.h"
+#include "services/language/model/projector.h"
 #include "tests/unit/decoder_fixture.h"
 
 namespace vlm::language {

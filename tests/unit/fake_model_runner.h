@@ -17,7 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "services/language/model_runner.h"
+#include "services/language/engine/model_runner.h"
 
 namespace vlm::language::testing {
 

@@ -3,7 +3,8 @@
 // packed as bf16 (plain, gate/up with SiLU·up, residual in place), close to
 // at::matmul in f64 on those weights, row-invariant, and clear errors for bad
 // input. Shapes cover full 512-blocks of the int8 layout, natural-order tail
-// groups, K padding, partial panels and more than one row block.
+// groups, K padding, partial panels and more than one row block. The amx
+// path runs on the AMX emulation where the CPU has no AMX tiles.
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include "common/kernels/amx_emulation_support.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/quantize.h"
 
@@ -46,6 +48,9 @@ class GemmInt8PathTest : public ::testing::TestWithParam<GemmPath> {
   void SetUp() override {
     at::set_num_threads(2);
     at::manual_seed(20261202);
+    if (GetParam() == GemmPath::kAmx) {
+      RecordProperty("amx", testing::UseAmxEmulationUnlessHardware());
+    }
     std::string missing;
     if (!GemmPathSupported(GetParam(), &missing)) {
       GTEST_SKIP() << "the " << GemmPathName(GetParam()) << " path cannot run here: " << missing;
@@ -61,7 +66,7 @@ class GemmInt8PathTest : public ::testing::TestWithParam<GemmPath> {
 
 TEST_P(GemmInt8PathTest, EqualsGemmOnTheDequantizedWeightBitForBit) {
   for (const Case& c : kCases) {
-    SCOPED_TRACE(testing::Message() << "M=" << c.m << " N=" << c.n << " K=" << c.k);
+    SCOPED_TRACE(::testing::Message() << "M=" << c.m << " N=" << c.n << " K=" << c.k);
     const QuantizedWeight w = Quantized(c.n, c.k);
     ASSERT_FALSE(w.empty());
     const at::Tensor x = at::randn({c.m, c.k}).to(at::kBFloat16);
@@ -91,7 +96,7 @@ TEST_P(GemmInt8PathTest, EqualsGemmOnTheDequantizedWeightBitForBit) {
 
 TEST_P(GemmInt8PathTest, GateUpWithSiluMulEqualsPackGateUp) {
   for (const Case& c : kCases) {
-    SCOPED_TRACE(testing::Message() << "M=" << c.m << " I=" << c.n << " K=" << c.k);
+    SCOPED_TRACE(::testing::Message() << "M=" << c.m << " I=" << c.n << " K=" << c.k);
     const QuantizedWeight w = Quantized(2 * c.n, c.k);  // gate rows, then up rows
     ASSERT_FALSE(w.empty());
     const at::Tensor d = DequantBf16(w);
@@ -142,7 +147,7 @@ TEST_P(GemmInt8PathTest, RowsAreTheSameInAnyBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(BlockedPaths, GemmInt8PathTest,
-                         ::testing::Values(GemmPath::kAvx512Bf16, GemmPath::kAmx),
+                         ::testing::Values(GemmPath::kAvx512Bf16, GemmPath::kAmx, GemmPath::kAvx2),
                          [](const auto& info) { return std::string(GemmPathName(info.param)); });
 
 TEST(GemmInt8Test, BadInputGetsAClearStatus) {

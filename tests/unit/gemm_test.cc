@@ -1,7 +1,11 @@
 // Every GEMM path forced in turn against at::matmul in f32 on the same
-// bf16-rounded inputs; fused epilogues; row invariance; bad input.
+// bf16-rounded inputs; fused epilogues; row invariance; bad input. The amx
+// path runs on real tiles where the CPU has them, else on the AMX emulation
+// (amx_emulation.h), so it never skips on an AVX-512 BF16 machine; its sums
+// are also checked bit for bit against the SDM's TDPBF16PS order.
 #include "common/kernels/gemm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -11,6 +15,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
+
+#include "common/kernels/amx_emulation_support.h"
+#include "common/kernels/gemm_internal.h"
 
 namespace vlm::kernels {
 namespace {
@@ -74,6 +81,9 @@ class GemmPathTest : public ::testing::TestWithParam<GemmPath> {
   void SetUp() override {
     at::set_num_threads(2);
     at::manual_seed(20261201);
+    if (GetParam() == GemmPath::kAmx) {
+      RecordProperty("amx", testing::UseAmxEmulationUnlessHardware());
+    }
     std::string missing;
     if (!GemmPathSupported(GetParam(), &missing)) {
       GTEST_SKIP() << "the " << GemmPathName(GetParam()) << " path cannot run here: " << missing;
@@ -224,7 +234,8 @@ TEST_P(GemmPathTest, WritesIntoStridedOutputAndResidualInPlace) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, GemmPathTest,
-                         ::testing::Values(GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kTorch),
+                         ::testing::Values(GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kAvx2,
+                                           GemmPath::kTorch),
                          [](const auto& info) { return std::string(GemmPathName(info.param)); });
 
 TEST(GemmTest, BadInputGetsInvalidArgument) {
@@ -259,7 +270,7 @@ TEST(GemmTest, BadInputGetsInvalidArgument) {
 }
 
 TEST(GemmTest, UnsupportedPathIsFailedPrecondition) {
-  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16}) {
+  for (GemmPath p : {GemmPath::kAmx, GemmPath::kAvx512Bf16, GemmPath::kAvx2}) {
     std::string missing;
     if (GemmPathSupported(p, &missing)) continue;
     EXPECT_FALSE(missing.empty());
@@ -269,8 +280,115 @@ TEST(GemmTest, UnsupportedPathIsFailedPrecondition) {
 }
 
 TEST(GemmTest, AutomaticChoiceLeavesAmxOutUntilVerified) {
+  testing::UseAmxEmulationUnlessHardware();
   EXPECT_NE(AutoGemmPath(), GemmPath::kAmx);
   EXPECT_TRUE(GemmPathSupported(AutoGemmPath()));
+}
+
+TEST(GemmTest, SetDefaultGemmPathChangesWhatPackUses) {
+  testing::UseAmxEmulationUnlessHardware();
+  if (!GemmPathSupported(GemmPath::kAmx)) GTEST_SKIP() << "no AVX-512 BF16 for the epilogue";
+  const GemmPath before = DefaultGemmPath();
+  ASSERT_TRUE(SetDefaultGemmPath(GemmPath::kAmx).ok());
+  absl::StatusOr<PackedWeight> p = PackedWeight::Pack(at::randn({4, 4}));
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->path(), GemmPath::kAmx);
+  ASSERT_TRUE(SetDefaultGemmPath(before).ok());
+  EXPECT_EQ(DefaultGemmPath(), before);
+}
+
+// The TDPBF16PS sums of the AMX kernel as the SDM's Operation section gives
+// them, written out as plain loops: per output, per 32-wide K block (one
+// TDPBF16PS on 16 pairs), the even and the odd products each summed by FMA
+// from zero, denormals flushed (inputs DAZ, results FTZ); then
+// acc += (even + odd). The epilogue adds the bias in f32.
+float FlushF32(float f) { return std::fpclassify(f) == FP_SUBNORMAL ? std::copysign(0.0f, f) : f; }
+
+at::Tensor SdmOrderReference(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), wf = w.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = wf.data_ptr<float>();
+  const at::Tensor bf = bias.defined() ? bias.to(at::kFloat).contiguous() : at::zeros({n});
+  const float* bp = bf.data_ptr<float>();
+  at::Tensor y = at::empty({m, n});
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0;
+      for (int64_t k0 = 0; k0 < k; k0 += 32) {
+        float even = 0, odd = 0;
+        for (int64_t kk = k0; kk < std::min(k, k0 + 32); ++kk) {
+          const float a = FlushF32(xp[i * k + kk]), b = FlushF32(wp[j * k + kk]);
+          float& part = kk % 2 == 0 ? even : odd;
+          part = FlushF32(std::fma(a, b, part));
+        }
+        acc = FlushF32(acc + FlushF32(even + odd));
+      }
+      yp[i * n + j] = bias.defined() ? acc + bp[j] : acc;
+    }
+  }
+  return y;
+}
+
+TEST(GemmAmxTest, SumsEqualTheSdmOrderBitForBitAndStayWithinTheBound) {
+  const std::string mode = testing::UseAmxEmulationUnlessHardware();
+  std::string missing;
+  ASSERT_TRUE(GemmPathSupported(GemmPath::kAmx, &missing)) << missing;
+  at::manual_seed(7);
+  const uint64_t dots_before = testing::EmulatedTileDotInstructions();
+  // Row tails of 1, 16 and 31 past 32-row blocks, a row block boundary (96),
+  // column tails, K tails inside a pair and a block, K below one block.
+  for (Case c : std::vector<Case>{{1, 1, 1}, {17, 33, 31}, {63, 70, 100}, {100, 45, 513},
+                                  {33, 300, 64}, {97, 64, 1001}}) {
+    SCOPED_TRACE(::testing::Message() << "M=" << c.m << " N=" << c.n << " K=" << c.k);
+    const at::Tensor x = at::randn({c.m, c.k}).to(at::kBFloat16);
+    const at::Tensor w = (at::randn({c.n, c.k}) * 0.1).to(at::kBFloat16);
+    const at::Tensor b = at::randn({c.n});
+    absl::StatusOr<PackedWeight> pw = PackedWeight::Pack(w, b, GemmPath::kAmx);
+    ASSERT_TRUE(pw.ok()) << pw.status();
+    GemmOptions o;
+    o.out_dtype = at::kFloat;
+    o.threads = 2;
+    absl::StatusOr<at::Tensor> y = Gemm(x, *pw, o);
+    ASSERT_TRUE(y.ok()) << y.status();
+    const at::Tensor ref = SdmOrderReference(x, w, b);
+    EXPECT_TRUE(at::equal(*y, ref)) << "differing elements: "
+                                    << (*y != ref).sum().item<int64_t>() << " of " << ref.numel();
+    // Bound of the f64 product: each even/odd chain rounds at most 16 times,
+    // their sum once, the running sum once per block, the bias once:
+    // |err| <= γ(d)·Σ|x·w| + u·|y| with d = 17 + blocks, γ(d) = d·u / (1 - d·u).
+    const double u = std::ldexp(1.0, -24);
+    const double d = 17.0 + static_cast<double>((c.k + 31) / 32);
+    const at::Tensor xd = x.to(at::kDouble), wd = w.to(at::kDouble);
+    const at::Tensor exact = at::matmul(xd, wd.t()) + b.to(at::kDouble);
+    const at::Tensor bound = at::matmul(xd.abs(), wd.abs().t()) * (d * u / (1 - d * u)) +
+                             exact.abs() * (2 * u);
+    const at::Tensor excess = (y->to(at::kDouble) - exact).abs() - bound;
+    EXPECT_LE(excess.max().item<double>(), 0.0);
+  }
+  if (mode == "emulation") {
+    EXPECT_GT(testing::EmulatedTileDotInstructions(), dots_before) << "the emulated tiles did not run";
+  }
+}
+
+// Only where the CPU has AMX: the hardware's tiles against the emulation.
+TEST(GemmAmxTest, RealTilesMatchTheEmulationBitForBit) {
+  if (!testing::HaveAmxHardware()) GTEST_SKIP() << "no AMX tiles here (the emulation runs instead)";
+  internal::SetAmxBlockKernel(nullptr);
+  const at::Tensor x = at::randn({77, 1000}).to(at::kBFloat16);
+  absl::StatusOr<PackedWeight> pw =
+      PackedWeight::Pack(at::randn({130, 1000}), at::randn({130}), GemmPath::kAmx);
+  ASSERT_TRUE(pw.ok()) << pw.status();
+  GemmOptions o;
+  o.out_dtype = at::kFloat;
+  absl::StatusOr<at::Tensor> hardware = Gemm(x, *pw, o);
+  testing::UseAmxEmulation();
+  absl::StatusOr<at::Tensor> emulated = Gemm(x, *pw, o);
+  internal::SetAmxBlockKernel(nullptr);
+  ASSERT_TRUE(hardware.ok() && emulated.ok());
+  EXPECT_TRUE(at::equal(*hardware, *emulated))
+      << (*hardware != *emulated).sum().item<int64_t>() << " elements differ";
 }
 
 TEST(GemmTest, PackedBytesAreReported) {

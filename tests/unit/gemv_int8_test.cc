@@ -14,7 +14,7 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 
 namespace vlm::kernels {
 namespace {

@@ -1,5 +1,5 @@
 // Every GEMV path against at::matmul in f32 on the same bf16-rounded inputs.
-#include "services/language/gemv.h"
+#include "common/kernels/gemv.h"
 
 #include <sys/mman.h>
 

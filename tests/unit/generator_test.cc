@@ -1,7 +1,7 @@
 // The generation loop over a scripted fake model (greedy picks the script's
 // next id): streaming, EOS, stop strings across tokens, max_tokens,
 // cancellation between decode steps, and what the model is asked to do.
-#include "services/language/generator.h"
+#include "services/language/engine/generator.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

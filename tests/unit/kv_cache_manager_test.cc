@@ -1,7 +1,7 @@
 // KvCacheManager: growth by blocks, prefix matching (never the whole prompt),
 // registration of computed full blocks, freeing, and the switch that turns
 // the prefix cache off.
-#include "services/language/kv_cache_manager.h"
+#include "services/language/engine/kv_cache_manager.h"
 
 #include <gtest/gtest.h>
 

@@ -18,7 +18,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "services/language/decoder.h"
+#include "services/language/model/decoder.h"
 #include "tests/unit/decoder_fixture.h"
 
 namespace vlm::language {

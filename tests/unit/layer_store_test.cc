@@ -1,7 +1,7 @@
 // LayerStore: lazy materialization, LRU bound, pinning, background prefetch,
 // in-place views vs converted copies, and the resident memory it implies
 // (measured as this process's RSS on a checkpoint with 8 MB layers).
-#include "services/language/layer_store.h"
+#include "services/language/model/layer_store.h"
 
 #include <atomic>
 #include <chrono>

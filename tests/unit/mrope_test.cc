@@ -1,6 +1,6 @@
 // get_rope_index and the interleaved MRoPE tables against the worked examples
 // of docs/qwen3-vl-model.md §6 and the index sets of §6.2 / §9.
-#include "services/language/mrope.h"
+#include "services/language/model/mrope.h"
 
 #include <cmath>
 #include <vector>

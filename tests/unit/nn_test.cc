@@ -283,18 +283,47 @@ TEST_F(NnTest, AttentionRejectsBadShapes) {
                c10::Error);  // cu_seqlens ends at 5, not 6
 }
 
-TEST(CpuFeaturesTest, Bf16FallsBackOnlyWithoutAvx512) {
+TEST(CpuFeaturesTest, Bf16StaysBf16WheneverAvx2AndFmaExist) {
   std::string warning;
   const ComputeDType chosen = ChooseComputeDType(ComputeDType::kBFloat16, &warning);
-  if (GetCpuFeatures().fast_bf16_matmul()) {
+  const CpuFeatures& f = GetCpuFeatures();
+  if (f.fast_bf16_matmul() || f.avx2_fma()) {
     EXPECT_EQ(chosen, ComputeDType::kBFloat16);
-    EXPECT_TRUE(warning.empty());
+    EXPECT_TRUE(warning.empty()) << warning;
   } else {
     EXPECT_EQ(chosen, ComputeDType::kFloat32);
     EXPECT_NE(warning.find("float32"), std::string::npos);
   }
   EXPECT_EQ(ChooseComputeDType(ComputeDType::kFloat32, nullptr), ComputeDType::kFloat32);
   EXPECT_FALSE(GetCpuFeatures().Describe().empty());
+}
+
+// The decision for each kind of CPU, whatever this one is.
+TEST(CpuFeaturesTest, ChoosesByFeatureSet) {
+  CpuFeatures avx512;
+  avx512.avx2 = avx512.fma = true;
+  avx512.avx512f = avx512.avx512bw = avx512.avx512vl = avx512.avx512dq = true;
+  CpuFeatures avx2;
+  avx2.avx2 = avx2.fma = true;
+  CpuFeatures avx2_no_fma;
+  avx2_no_fma.avx2 = true;
+  const CpuFeatures none;
+  for (const CpuFeatures* f : {&avx512, &avx2}) {
+    std::string warning;
+    EXPECT_EQ(ChooseComputeDTypeFor(*f, ComputeDType::kBFloat16, &warning), ComputeDType::kBFloat16)
+        << f->Describe();
+    EXPECT_TRUE(warning.empty()) << warning;
+    EXPECT_EQ(ChooseComputeDTypeFor(*f, ComputeDType::kFloat32, &warning), ComputeDType::kFloat32);
+    EXPECT_TRUE(warning.empty()) << warning;
+  }
+  for (const CpuFeatures* f : std::initializer_list<const CpuFeatures*>{&avx2_no_fma, &none}) {
+    std::string warning;
+    EXPECT_EQ(ChooseComputeDTypeFor(*f, ComputeDType::kBFloat16, &warning), ComputeDType::kFloat32)
+        << f->Describe();
+    EXPECT_NE(warning.find("float32"), std::string::npos) << warning;
+    EXPECT_NE(warning.find("AVX2"), std::string::npos) << warning;
+  }
+  EXPECT_NE(avx2.Describe().find("AVX2 kernels"), std::string::npos) << avx2.Describe();
 }
 
 TEST(CpuFeaturesTest, WarnsWhenOpenBlasRunsPrescottKernels) {

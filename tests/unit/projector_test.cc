@@ -1,6 +1,6 @@
 // The projector (patch merger + deepstack mergers) on the tiny checkpoint
 // against tests/reference/projector_ref.py (via text_ref.py's goldens).
-#include "services/language/projector.h"
+#include "services/language/model/projector.h"
 
 #include <cstdlib>
 #include <string>

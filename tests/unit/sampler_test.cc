@@ -1,7 +1,7 @@
 // Sampler transforms against values worked out by hand from their
 // definitions (qwen3-vl-model.md 7.4 and HF's logits warpers), determinism by
 // seed, and the empirical distribution of the multinomial draw.
-#include "services/language/sampler.h"
+#include "services/language/sampling/sampler.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

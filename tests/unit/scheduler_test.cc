@@ -5,7 +5,7 @@
 // reservations (prompt + max_tokens): queued until they fit, freed at the
 // end, no preemption in a workload that declares them, and a sequence larger
 // than the pool refused by Add.
-#include "services/language/scheduler.h"
+#include "services/language/engine/scheduler.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // Stop strings over a stream of text deltas: what is released, what is held
 // back, and where the stream ends.
-#include "services/language/stop_strings.h"
+#include "services/language/sampling/stop_strings.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "services/language/utf8.h"
+#include "services/language/text/utf8.h"
 
 namespace vlm::language {
 namespace {

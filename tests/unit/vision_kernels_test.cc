@@ -1,5 +1,6 @@
 // The ViT through common/kernels (packed GEMM + flash attention) against the
-// previous LibTorch path and the float32 forward, on the tiny checkpoint.
+// previous LibTorch path and the float32 forward, on the tiny checkpoint, with
+// the GEMM on avx512bf16 and on amx (the AMX emulation where the CPU has none).
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -9,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "common/cpu_features.h"
+#include "common/kernels/amx_emulation_support.h"
 #include "common/kernels/flash_attention.h"
 #include "common/kernels/gemm.h"
 #include "common/model_config.h"
@@ -29,13 +31,20 @@ double MinRowCosine(const at::Tensor& a, const at::Tensor& b) {
   return at::cosine_similarity(a.to(at::kDouble), b.to(at::kDouble), 1).min().item<double>();
 }
 
-class VisionKernelsTest : public ::testing::Test {
+// Param: the GEMM path made the default for the test; amx runs on real tiles
+// where the CPU has them, else on the AMX emulation.
+class VisionKernelsTest : public ::testing::TestWithParam<kernels::GemmPath> {
  protected:
   void SetUp() override {
     at::set_num_threads(2);
     if (!kernels::FlashAttentionSupported()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
-    if (GetCpuFeatures().amx_bf16 && kernels::DefaultGemmPath() != kernels::GemmPath::kAmx) {
-      GTEST_SKIP() << "AMX CPU: the ViT keeps oneDNN's AMX unless VLM_GEMM_PATH=amx";
+    before_ = kernels::DefaultGemmPath();
+    if (GetParam() == kernels::GemmPath::kAmx) {
+      RecordProperty("amx", kernels::testing::UseAmxEmulationUnlessHardware());
+    }
+    ASSERT_TRUE(kernels::SetDefaultGemmPath(GetParam()).ok());
+    if (GetCpuFeatures().amx_bf16 && GetParam() != kernels::GemmPath::kAmx) {
+      GTEST_SKIP() << "AMX CPU: the ViT keeps oneDNN's AMX unless the GEMM path is amx";
     }
     auto checkpoint = SafetensorsCheckpoint::Open(CheckpointDir());
     ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
@@ -44,6 +53,7 @@ class VisionKernelsTest : public ::testing::Test {
     ASSERT_TRUE(config.ok()) << config.status();
     config_ = *config;
   }
+  void TearDown() override { (void)kernels::SetDefaultGemmPath(before_); }
   std::unique_ptr<VisionModel> Load(ComputeDType dtype, bool kernels) {
     VisionModelOptions o;
     o.compute_dtype = dtype;
@@ -54,14 +64,18 @@ class VisionKernelsTest : public ::testing::Test {
   }
   std::unique_ptr<SafetensorsCheckpoint> checkpoint_;
   ModelConfig config_;
+  kernels::GemmPath before_ = kernels::GemmPath::kTorch;
 };
 
-TEST_F(VisionKernelsTest, KernelPathAgreesWithLibTorchPathAndFloat32) {
+TEST_P(VisionKernelsTest, KernelPathAgreesWithLibTorchPathAndFloat32) {
   auto fast = Load(ComputeDType::kBFloat16, true);
   auto old = Load(ComputeDType::kBFloat16, false);
   auto f32 = Load(ComputeDType::kFloat32, true);
   ASSERT_TRUE(fast && old && f32);
   ASSERT_TRUE(fast->uses_kernels());
+  EXPECT_NE(fast->load_summary().find(std::string("gemm ") + kernels::GemmPathName(GetParam())),
+            std::string::npos)
+      << fast->load_summary();
   EXPECT_FALSE(old->uses_kernels());
   EXPECT_FALSE(f32->uses_kernels());  // float32 stays on LibTorch
   EXPECT_GT(fast->packed_weight_bytes(), 0u);
@@ -92,7 +106,7 @@ TEST_F(VisionKernelsTest, KernelPathAgreesWithLibTorchPathAndFloat32) {
   }
 }
 
-TEST_F(VisionKernelsTest, ImageFeaturesDoNotDependOnTheBatch) {
+TEST_P(VisionKernelsTest, ImageFeaturesDoNotDependOnTheBatch) {
   auto fast = Load(ComputeDType::kBFloat16, true);
   ASSERT_TRUE(fast);
   const int64_t m = config_.vision.spatial_merge_size;
@@ -106,6 +120,10 @@ TEST_F(VisionKernelsTest, ImageFeaturesDoNotDependOnTheBatch) {
   // Row-invariant GEMM + per-image attention: the same bits either way.
   EXPECT_TRUE(at::equal(together->last_hidden.narrow(0, n0, n1), alone->last_hidden));
 }
+
+INSTANTIATE_TEST_SUITE_P(GemmPaths, VisionKernelsTest,
+                         ::testing::Values(kernels::GemmPath::kAvx512Bf16, kernels::GemmPath::kAmx),
+                         [](const auto& info) { return std::string(kernels::GemmPathName(info.param)); });
 
 }  // namespace
 }  // namespace vlm

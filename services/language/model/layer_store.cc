@@ -1,0 +1,566 @@
+#include "services/language/model/layer_store.h"
+
+#include <chrono>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "common/metrics.h"
+
+namespace vlm::language {
+
+// ---------------------------------------------------------------------------
+// Checkpoint names
+// ---------------------------------------------------------------------------
+
+absl::StatusOr<std::string> VisualPrefix(const SafetensorsCheckpoint& checkpoint) {
+  for (const char* prefix : {"model.visual.", "visual."}) {
+    if (checkpoint.Has(std::string(prefix) + "merger.linear_fc1.weight")) return std::string(prefix);
+  }
+  return absl::NotFoundError(
+      "checkpoint has no projector: neither model.visual.merger.linear_fc1.weight nor "
+      "visual.merger.linear_fc1.weight");
+}
+
+absl::StatusOr<std::string> LanguagePrefix(const SafetensorsCheckpoint& checkpoint) {
+  for (const char* prefix : {"model.language_model.", "language_model.", "model."}) {
+    if (checkpoint.Has(std::string(prefix) + "norm.weight")) return std::string(prefix);
+  }
+  return absl::NotFoundError(
+      "checkpoint has no language model: no model.language_model.norm.weight "
+      "(nor language_model.norm.weight, model.norm.weight)");
+}
+
+absl::StatusOr<const TensorInfo*> CheckTensor(const SafetensorsCheckpoint& checkpoint,
+                                              const std::string& name,
+                                              const std::vector<int64_t>& shape) {
+  absl::StatusOr<const TensorInfo*> info = checkpoint.Info(name);
+  if (!info.ok()) return info.status();
+  if ((*info)->shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": shape [",
+                                                   absl::StrJoin((*info)->shape, ", "),
+                                                   "], config expects [",
+                                                   absl::StrJoin(shape, ", "), "]"));
+  }
+  const StDType d = (*info)->dtype;
+  if (d != StDType::kBF16 && d != StDType::kF16 && d != StDType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", StDTypeName(d),
+                                                   " is not BF16, F16 or F32"));
+  }
+  return info;
+}
+
+absl::StatusOr<at::Tensor> FetchTensor(const SafetensorsCheckpoint& checkpoint,
+                                       const std::string& name, at::ScalarType dtype,
+                                       bool* borrowed) {
+  absl::StatusOr<at::Tensor> stored = checkpoint.Tensor(name);
+  if (!stored.ok()) return stored.status();
+  if (stored->scalar_type() == dtype) {
+    if (borrowed) *borrowed = true;
+    return *stored;
+  }
+  if (borrowed) *borrowed = false;
+  try {
+    at::Tensor converted = stored->to(dtype).contiguous();
+    stored->reset();
+    checkpoint.Evict(name).IgnoreError();  // the stored copy is no longer needed in memory
+    return converted;
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat(name, ": conversion failed: ", e.what_without_backtrace()));
+  }
+}
+
+namespace {
+
+struct StoreMetrics {
+  prometheus::Family<prometheus::Gauge>* bytes;
+  prometheus::Gauge* layers;
+  prometheus::Histogram* materialize_seconds;
+};
+
+const StoreMetrics& Metrics() {
+  static const StoreMetrics metrics = [] {
+    StoreMetrics m;
+    m.bytes = &prometheus::BuildGauge()
+                   .Name("vlm_language_weight_bytes_resident")
+                   .Help("Bytes of language-model weights resident in memory, by part")
+                   .Register(MetricsRegistry());
+    m.layers = &prometheus::BuildGauge()
+                    .Name("vlm_language_layers_resident")
+                    .Help("Decoder layers currently materialized")
+                    .Register(MetricsRegistry())
+                    .Add({});
+    m.materialize_seconds =
+        &prometheus::BuildHistogram()
+             .Name("vlm_language_layer_materialization_seconds")
+             .Help("Time to materialize one decoder layer (page-in or dtype conversion)")
+             .Register(MetricsRegistry())
+             .Add({}, prometheus::Histogram::BucketBoundaries{0.0005, 0.001, 0.002, 0.005, 0.01,
+                                                              0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5});
+    return m;
+  }();
+  return metrics;
+}
+
+// Field names of one layer, in DecoderLayerWeights order.
+constexpr const char* kLayerFields[] = {
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+    "mlp.up_proj.weight", "mlp.down_proj.weight"};
+constexpr int kNumLayerFields = sizeof(kLayerFields) / sizeof(kLayerFields[0]);
+
+std::shared_ptr<DecoderLayerWeights> FromTensors(std::vector<at::Tensor> t) {
+  auto w = std::make_shared<DecoderLayerWeights>();
+  w->input_layernorm = std::move(t[0]);
+  w->q_proj = std::move(t[1]);
+  w->k_proj = std::move(t[2]);
+  w->v_proj = std::move(t[3]);
+  w->o_proj = std::move(t[4]);
+  w->q_norm = std::move(t[5]);
+  w->k_norm = std::move(t[6]);
+  w->post_attention_layernorm = std::move(t[7]);
+  w->gate_proj = std::move(t[8]);
+  w->up_proj = std::move(t[9]);
+  w->down_proj = std::move(t[10]);
+  return w;
+}
+
+// Bytes of one [n, k] projection in `form` (packed panels and int8 rows as
+// gemm.cc / quantize.h lay them out); `gate_up`: n is each of gate and up.
+uint64_t ProjectionBytes(ProjectionForm form, int64_t n, int64_t k, bool gate_up,
+                         size_t dense_element) {
+  const uint64_t outs = static_cast<uint64_t>(gate_up ? 2 * n : n);
+  switch (form) {
+    case ProjectionForm::kDense:
+      return outs * k * dense_element;
+    case ProjectionForm::kPacked: {
+      const uint64_t kpairs = static_cast<uint64_t>((k + 31) / 32 * 16);
+      const uint64_t panels = static_cast<uint64_t>(gate_up ? (n + 15) / 16 : (n + 31) / 32);
+      return panels * kpairs * 2 * 32 * 2;
+    }
+    case ProjectionForm::kInt8:
+      return outs * static_cast<uint64_t>((k + 63) / 64 * 64) + outs * sizeof(float);
+  }
+  return 0;
+}
+
+// What a materialized layer holds, by the same rule as ProjectionBytes.
+uint64_t HeldBytes(const DecoderLayerWeights& w) {
+  uint64_t total = 0;
+  for (const at::Tensor* t :
+       {&w.input_layernorm, &w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.q_norm, &w.k_norm,
+        &w.post_attention_layernorm, &w.gate_proj, &w.up_proj, &w.down_proj}) {
+    if (t->defined()) total += t->nbytes();
+  }
+  for (const kernels::PackedWeight* p : {&w.qkv, &w.o, &w.gate_up, &w.down}) total += p->bytes();
+  for (const kernels::QuantizedWeight* q : {&w.qkv8, &w.o8, &w.gate_up8, &w.down8}) {
+    if (!q->empty()) total += q->bytes();
+  }
+  return total;
+}
+
+}  // namespace
+
+const char* ProjectionFormName(ProjectionForm form) {
+  switch (form) {
+    case ProjectionForm::kDense:
+      return "dense";
+    case ProjectionForm::kPacked:
+      return "packed";
+    case ProjectionForm::kInt8:
+      return "int8";
+  }
+  return "?";
+}
+
+prometheus::Gauge& WeightBytesResidentGauge(const std::string& part) {
+  return Metrics().bytes->Add({{"part", part}});
+}
+
+// ---------------------------------------------------------------------------
+// Handle
+// ---------------------------------------------------------------------------
+
+LayerStore::Handle::Handle(Handle&& other) noexcept
+    : store_(other.store_), layer_(other.layer_), weights_(std::move(other.weights_)) {
+  other.store_ = nullptr;
+}
+
+LayerStore::Handle& LayerStore::Handle::operator=(Handle&& other) noexcept {
+  if (this != &other) {
+    Release();
+    store_ = other.store_;
+    layer_ = other.layer_;
+    weights_ = std::move(other.weights_);
+    other.store_ = nullptr;
+  }
+  return *this;
+}
+
+LayerStore::Handle::~Handle() { Release(); }
+
+void LayerStore::Handle::Release() {
+  if (store_ != nullptr) store_->Unpin(layer_);
+  store_ = nullptr;
+  weights_.reset();
+}
+
+// ---------------------------------------------------------------------------
+// Store
+// ---------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
+    std::shared_ptr<const SafetensorsCheckpoint> checkpoint, const TextConfig& c,
+    const std::string& prefix, at::ScalarType compute_dtype, const LayerStoreOptions& options) {
+  if (options.resident_layers < 0 || options.prefetch_layers < 0) {
+    return absl::InvalidArgumentError("resident_layers and prefetch_layers must be >= 0");
+  }
+  if (options.form != ProjectionForm::kDense && compute_dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        ProjectionFormName(options.form), " projections need the bf16 compute dtype"));
+  }
+  std::unique_ptr<LayerStore> store(new LayerStore());
+  store->checkpoint_ = std::move(checkpoint);
+  store->dtype_ = compute_dtype;
+  store->options_ = options;
+  const SafetensorsCheckpoint& ckpt = *store->checkpoint_;
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  const std::vector<int64_t> shapes[kNumLayerFields] = {
+      {h}, {q, h}, {kv, h}, {kv, h}, {h, q}, {c.head_dim}, {c.head_dim}, {h}, {inter, h},
+      {inter, h}, {h, inter}};
+  store->slots_.resize(c.num_hidden_layers);
+  bool all_in_place = true;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    Slot& slot = store->slots_[l];
+    for (int f = 0; f < kNumLayerFields; ++f) {
+      std::string name = absl::StrCat(prefix, "layers.", l, ".", kLayerFields[f]);
+      absl::StatusOr<const TensorInfo*> info = CheckTensor(ckpt, name, shapes[f]);
+      if (!info.ok()) return info.status();
+      const bool same = ((*info)->dtype == StDType::kBF16 && compute_dtype == at::kBFloat16) ||
+                        ((*info)->dtype == StDType::kF32 && compute_dtype == at::kFloat);
+      all_in_place = all_in_place && same;
+      slot.names.push_back(std::move(name));
+    }
+    // Norms (fields 0, 5, 6, 7) stay dense; projections take options.form.
+    const size_t e = at::elementSize(compute_dtype);
+    const ProjectionForm f = options.form;
+    slot.bytes = static_cast<uint64_t>(2 * h + 2 * c.head_dim) * e;
+    if (f == ProjectionForm::kDense) {
+      slot.bytes += ProjectionBytes(f, q, h, false, e) + 2 * ProjectionBytes(f, kv, h, false, e) +
+                    ProjectionBytes(f, h, q, false, e) + ProjectionBytes(f, inter, h, true, e) +
+                    ProjectionBytes(f, h, inter, false, e);
+    } else {
+      slot.bytes += ProjectionBytes(f, q + 2 * kv, h, false, e) + ProjectionBytes(f, h, q, false, e) +
+                    ProjectionBytes(f, inter, h, true, e) + ProjectionBytes(f, h, inter, false, e);
+    }
+  }
+  store->in_place_ = all_in_place;
+  if (all_in_place) {
+    // Views cost nothing and touch no page: make them once.
+    for (Slot& slot : store->slots_) {
+      std::vector<at::Tensor> views;
+      for (const std::string& name : slot.names) {
+        absl::StatusOr<at::Tensor> t = ckpt.Tensor(name);
+        if (!t.ok()) return t.status();
+        views.push_back(*std::move(t));
+      }
+      slot.views = FromTensors(std::move(views));
+    }
+  }
+  const StoreMetrics& m = Metrics();
+  store->layers_gauge_ = m.layers;
+  store->bytes_gauge_ = &WeightBytesResidentGauge("layers");
+  if (options.eager_load) {
+    const int n = options.resident_layers > 0
+                      ? std::min<int>(options.resident_layers, c.num_hidden_layers)
+                      : static_cast<int>(c.num_hidden_layers);
+    for (int l = 0; l < n; ++l) {
+      absl::StatusOr<Handle> handle = store->Acquire(l);
+      if (!handle.ok()) return handle.status();
+    }
+  }
+  if (options.prefetch_layers > 0) {
+    store->worker_ = std::thread([s = store.get()] { s->PrefetchLoop(); });
+  }
+  return store;
+}
+
+LayerStore::~LayerStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layers_gauge_ != nullptr) layers_gauge_->Decrement(resident_count_);
+  if (bytes_gauge_ != nullptr) bytes_gauge_->Decrement(static_cast<double>(resident_bytes_));
+}
+
+absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materialize(int layer) const {
+  const Slot& slot = slots_[layer];  // names and views are immutable after Create
+  const SafetensorsCheckpoint& ckpt = *checkpoint_;
+  if (in_place_) {
+    for (const std::string& name : slot.names) {
+      absl::Status s = ckpt.Prefetch(name);
+      if (!s.ok()) return s;
+    }
+    for (const std::string& name : slot.names) {
+      absl::Status s = ckpt.Touch(name);
+      if (!s.ok()) return s;
+    }
+    if (options_.form == ProjectionForm::kDense) return slot.views;
+    auto w = std::make_shared<DecoderLayerWeights>(*slot.views);
+    absl::Status s = Convert(layer, *w);
+    if (!s.ok()) return s;
+    return std::shared_ptr<const DecoderLayerWeights>(std::move(w));
+  }
+  std::vector<at::Tensor> tensors;
+  for (const std::string& name : slot.names) {
+    absl::StatusOr<at::Tensor> t = FetchTensor(ckpt, name, dtype_);
+    if (!t.ok()) return t.status();
+    tensors.push_back(*std::move(t));
+  }
+  std::shared_ptr<DecoderLayerWeights> w = FromTensors(std::move(tensors));
+  if (options_.form != ProjectionForm::kDense) {
+    absl::Status s = Convert(layer, *w);
+    if (!s.ok()) return s;
+  }
+  return std::shared_ptr<const DecoderLayerWeights>(std::move(w));
+}
+
+absl::Status LayerStore::Convert(int layer, DecoderLayerWeights& w) const {
+  const std::string where = absl::StrCat("layer ", layer, ": ");
+  try {
+    const at::Tensor qkv = at::cat({w.q_proj, w.k_proj, w.v_proj}, 0);  // [q + 2kv, hidden]
+    if (options_.form == ProjectionForm::kPacked) {
+      absl::StatusOr<kernels::PackedWeight> p = kernels::PackedWeight::Pack(qkv);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.qkv = *std::move(p);
+      p = kernels::PackedWeight::Pack(w.o_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.o = *std::move(p);
+      p = kernels::PackedWeight::PackGateUp(w.gate_proj, w.up_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.gate_up = *std::move(p);
+      p = kernels::PackedWeight::Pack(w.down_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.down = *std::move(p);
+    } else {
+      absl::StatusOr<kernels::QuantizedWeight> q = kernels::QuantizeInt8(qkv);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.qkv8 = *std::move(q);
+      q = kernels::QuantizeInt8(w.o_proj);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.o8 = *std::move(q);
+      q = kernels::QuantizeInt8(at::cat({w.gate_proj, w.up_proj}, 0));
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.gate_up8 = *std::move(q);
+      q = kernels::QuantizeInt8(w.down_proj);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.down8 = *std::move(q);
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(where + e.what_without_backtrace());
+  }
+  // One copy of every weight: release the dense projections (mapped pages
+  // back to the page cache, converted copies freed with the tensors).
+  for (at::Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj,
+                        &w.down_proj}) {
+    t->reset();
+  }
+  if (in_place_) {
+    const Slot& slot = slots_[layer];
+    for (int f : {1, 2, 3, 4, 8, 9, 10}) checkpoint_->Evict(slot.names[f]).IgnoreError();
+  }
+  return absl::OkStatus();
+}
+
+void LayerStore::MarkResident(int layer, std::shared_ptr<const DecoderLayerWeights> weights,
+                              double seconds) {
+  Slot& slot = slots_[layer];
+  slot.state = State::kResident;
+  slot.bytes = HeldBytes(*weights);  // the estimate from Create, made exact
+  slot.weights = std::move(weights);
+  slot.last_use = ++tick_;
+  ++resident_count_;
+  resident_bytes_ += slot.bytes;
+  ++materializations_;
+  layers_gauge_->Increment();
+  bytes_gauge_->Increment(static_cast<double>(slot.bytes));
+  Metrics().materialize_seconds->Observe(seconds);
+}
+
+void LayerStore::Drop(int layer) {
+  Slot& slot = slots_[layer];
+  if (in_place_) {
+    for (const std::string& name : slot.names) checkpoint_->Evict(name).IgnoreError();
+  }
+  slot.weights.reset();  // converted copies are freed here (no handle holds them)
+  slot.state = State::kCold;
+  --resident_count_;
+  resident_bytes_ -= slot.bytes;
+  ++evictions_;
+  layers_gauge_->Decrement();
+  bytes_gauge_->Decrement(static_cast<double>(slot.bytes));
+}
+
+bool LayerStore::HasEvictableLayer() const {
+  for (const Slot& slot : slots_) {
+    if (slot.state == State::kResident && slot.pins == 0) return true;
+  }
+  return false;
+}
+
+void LayerStore::EnforceBound() {
+  if (options_.resident_layers <= 0) return;
+  while (resident_count_ > options_.resident_layers) {
+    int victim = -1;
+    for (int l = 0; l < num_layers(); ++l) {
+      const Slot& s = slots_[l];
+      if (s.state == State::kResident && s.pins == 0 &&
+          (victim < 0 || s.last_use < slots_[victim].last_use)) {
+        victim = l;
+      }
+    }
+    if (victim < 0) return;  // everything resident is pinned: over budget until released
+    Drop(victim);
+  }
+}
+
+absl::StatusOr<LayerStore::Handle> LayerStore::Acquire(int layer) {
+  if (layer < 0 || layer >= num_layers()) {
+    return absl::OutOfRangeError(absl::StrCat("layer ", layer, " outside 0..", num_layers() - 1));
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  Slot& slot = slots_[layer];
+  while (slot.state != State::kResident) {
+    if (slot.state == State::kLoading) {
+      cv_.wait(lock);
+      continue;
+    }
+    slot.state = State::kLoading;
+    lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> weights = Materialize(layer);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    lock.lock();
+    if (!weights.ok()) {
+      slot.state = State::kCold;
+      cv_.notify_all();
+      return weights.status();
+    }
+    MarkResident(layer, *std::move(weights), seconds);
+    cv_.notify_all();
+  }
+  ++slot.pins;
+  slot.last_use = ++tick_;
+  Handle handle;
+  handle.store_ = this;
+  handle.layer_ = layer;
+  handle.weights_ = slot.weights;
+  EnforceBound();
+  SchedulePrefetch(layer);
+  return handle;
+}
+
+void LayerStore::Unpin(int layer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  --slots_[layer].pins;
+  EnforceBound();
+}
+
+void LayerStore::SchedulePrefetch(int after) {
+  if (options_.prefetch_layers <= 0 || stop_) return;
+  const int n = num_layers();
+  const int ahead = std::min(options_.prefetch_layers, n - 1);
+  bool added = false;
+  for (int i = 1; i <= ahead; ++i) {
+    const int l = (after + i) % n;
+    Slot& s = slots_[l];
+    if (s.state == State::kCold && !s.queued) {
+      s.queued = true;
+      queue_.push_back(l);
+      added = true;
+    }
+  }
+  if (added) cv_.notify_all();
+}
+
+void LayerStore::PrefetchLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    const int layer = queue_.front();
+    queue_.pop_front();
+    Slot& slot = slots_[layer];
+    slot.queued = false;
+    if (slot.state != State::kCold) continue;
+    // Under a bound, prefetching must make room by dropping an unpinned layer;
+    // if every resident layer is pinned, the layer is loaded on demand instead.
+    if (options_.resident_layers > 0 && resident_count_ >= options_.resident_layers &&
+        !HasEvictableLayer()) {
+      continue;
+    }
+    slot.state = State::kLoading;
+    lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> weights = Materialize(layer);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    lock.lock();
+    if (!weights.ok()) {
+      slot.state = State::kCold;  // Acquire retries and reports the error
+      LogWarning("language", "layer prefetch failed",
+                 {{"layer", layer}, {"error", weights.status().ToString()}});
+    } else {
+      MarkResident(layer, *std::move(weights), seconds);
+      EnforceBound();
+    }
+    cv_.notify_all();
+  }
+}
+
+uint64_t LayerStore::layer_bytes(int layer) const { return slots_.at(layer).bytes; }
+
+uint64_t LayerStore::total_bytes() const {
+  uint64_t total = 0;
+  for (const Slot& s : slots_) total += s.bytes;
+  return total;
+}
+
+bool LayerStore::IsResident(int layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return slots_.at(layer).state == State::kResident;
+}
+
+int LayerStore::resident_layers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return resident_count_;
+}
+
+uint64_t LayerStore::resident_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return resident_bytes_;
+}
+
+int64_t LayerStore::materializations() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return materializations_;
+}
+
+int64_t LayerStore::evictions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return evictions_;
+}
+
+}  // namespace vlm::language
