@@ -1,7 +1,8 @@
 // vlm-bench-vision: the vision encoder on a real-shape checkpoint.
 //
 //   vlm-bench-vision --model_dir=DIR [--bench_threads=2] [--bench_runs=5]
-//                    [--bench_sizes=448,896,1344] [--bench_hit_requests=50]
+//                    [--bench_sizes=448,1024,1448] [--bench_hit_requests=50]
+//                    [--bench_libtorch_path=false]
 //                    [--compute_dtype=bfloat16] (and every vlm-vision flag)
 //
 // Prints one table:
@@ -53,7 +54,11 @@
 
 ABSL_FLAG(int, bench_threads, 2, "intra-op threads for the matmul bound and the encodes");
 ABSL_FLAG(int, bench_runs, 5, "timed encodes per size (after one warm-up); the median is shown");
-ABSL_FLAG(std::string, bench_sizes, "448,896", "square image sides to encode");
+ABSL_FLAG(std::string, bench_sizes, "448,1024,1448",
+          "square image sides to encode, each at its own size (448^2, 1 MP, 2 MP by default; "
+          "the budget is the side^2, up to the server's max_pixels_limit)");
+ABSL_FLAG(bool, bench_libtorch_path, true,
+          "also time the LibTorch path (a second model) for comparison; false halves the run");
 ABSL_FLAG(int, bench_hit_requests, 50, "gRPC cache-hit requests timed per kind");
 
 namespace {
@@ -229,17 +234,20 @@ int main(int argc, char** argv) {
                  (!checkpoint.ok() ? checkpoint.status() : model_config.status()).ToString().c_str());
     return 1;
   }
+  const bool compare = absl::GetFlag(FLAGS_bench_libtorch_path);
   vlm::VisionModelOptions old_options;
   old_options.compute_dtype = config->compute_dtype;
   old_options.attention_query_tile = config->attention_query_tile;
   old_options.use_kernels = false;
   absl::StatusOr<std::unique_ptr<vlm::VisionModel>> old_model =
-      vlm::VisionModel::Load(**checkpoint, *model_config, old_options);
+      compare ? vlm::VisionModel::Load(**checkpoint, *model_config, old_options)
+              : absl::StatusOr<std::unique_ptr<vlm::VisionModel>>(nullptr);
   if (!old_model.ok()) {
     std::fprintf(stderr, "load (LibTorch path): %s\n", old_model.status().ToString().c_str());
     return 1;
   }
-  std::printf("new = %s; old = LibTorch (at::linear, tiled attention)\n",
+  std::printf(compare ? "new = %s; old = LibTorch (at::linear, tiled attention)\n"
+                      : "new = %s; old = not run (--bench_libtorch_path=false)\n",
               model.uses_kernels() ? "project kernels (packed GEMM, flash attention)"
                                    : "LibTorch too (kernels not in use here)");
   std::printf("bound = ViT FLOPs / the %s matmul rate (at::matmul, best of 1024^3 and "
@@ -260,8 +268,13 @@ int main(int argc, char** argv) {
   std::vector<Row> images;
   for (int side : sizes) {
     const vlm::vision::RgbImage image = TestImage(side, side);
+    // The image at its own size: the service's default budget (a CPU-sized
+    // 0.75 MP) would resize the larger ones down.
+    vlm::vision::PreprocessOptions options = service.default_options();
+    options.max_pixels = std::max<int64_t>(
+        options.max_pixels, std::min<int64_t>(int64_t{side} * side, service.config().max_pixels_limit));
     absl::StatusOr<vlm::vision::PreprocessResult> first =
-        vlm::vision::PreprocessImage(image, service.default_options());
+        vlm::vision::PreprocessImage(image, options);
     if (!first.ok()) {
       std::fprintf(stderr, "preprocess %d: %s\n", side, first.status().ToString().c_str());
       return 1;
@@ -275,7 +288,7 @@ int main(int argc, char** argv) {
     for (int run = 0; run <= runs; ++run) {
       auto t0 = Clock::now();
       absl::StatusOr<vlm::vision::PreprocessResult> again =
-          vlm::vision::PreprocessImage(image, service.default_options());
+          vlm::vision::PreprocessImage(image, options);
       const double pre = Seconds(t0);
       t0 = Clock::now();
       double c0 = ThreadCpuNow();
@@ -283,9 +296,11 @@ int main(int argc, char** argv) {
       const double vit = Seconds(t0), vit_c = ThreadCpuNow() - c0;
       t0 = Clock::now();
       c0 = ThreadCpuNow();
-      absl::StatusOr<vlm::VisionFeatures> old_out = (*old_model)->Forward(pixels, {grid});
+      absl::StatusOr<vlm::VisionFeatures> old_out =
+          compare ? (*old_model)->Forward(pixels, {grid}) : absl::StatusOr<vlm::VisionFeatures>(
+                                                               absl::UnknownError("not run"));
       const double old_vit = Seconds(t0), old_c = ThreadCpuNow() - c0;
-      if (out.ok() && !old_out.ok()) out = old_out.status();
+      if (compare && out.ok() && !old_out.ok()) out = old_out.status();
       if (!again.ok() || !out.ok()) {
         std::fprintf(stderr, "encode %d: %s\n", side,
                      (!again.ok() ? again.status() : out.status()).ToString().c_str());

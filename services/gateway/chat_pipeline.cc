@@ -240,6 +240,12 @@ absl::StatusOr<Admission::Permit> ChatPipeline::Admit(const ChatCall& call,
     metrics.rejected.Add({{"reason", "invalid_argument"}}).Increment();
     return s;
   }
+  if (absl::Status s = CheckImageCost(request, options_.limits.image_cost, deadline - absl::Now());
+      !s.ok()) {
+    metrics.rejected.Add({{"reason", absl::IsDeadlineExceeded(s) ? "deadline" : "invalid_argument"}})
+        .Increment();
+    return s;
+  }
   const grpc::ServerContextBase* context = call.grpc_context;
   Cancellation* const cancellation = call.cancellation;
   absl::StatusOr<Admission::Permit> permit =
@@ -317,6 +323,7 @@ grpc::Status ChatPipeline::EncodeImages(const ChatCall& call, const v1::ChatRequ
                                            r.features().grid().w() / (merge * merge)));
     result.set_vision_ms(job.vision_ms);
     result.set_replica(r.replica().empty() ? job.outcome.replica : r.replica());
+    *result.mutable_budget() = r.options();
     metrics.images.Add({{"cache", CacheLevelLabel(r.cache())}}).Increment();
     if (r.cache() != v1::CACHE_LEVEL_MISS && r.cache() != v1::CACHE_LEVEL_UNSPECIFIED) {
       ++record->cache_hits;

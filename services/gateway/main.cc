@@ -170,6 +170,7 @@ absl::StatusOr<GatewayOptions> GatewayOptionsFromFlags() {
   options.limits.max_text_bytes = absl::GetFlag(FLAGS_max_text_bytes);
   options.limits.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
   options.limits.max_stop_strings = absl::GetFlag(FLAGS_max_stop_strings);
+  options.limits.image_cost = vlm::gateway::ImageCostModelFromFlags();
   options.spatial_merge_size = absl::GetFlag(FLAGS_spatial_merge_size);
   options.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   const double default_deadline_s = absl::GetFlag(FLAGS_default_deadline_s);

@@ -123,6 +123,28 @@ std::optional<ApiError> DecodeDataUrl(const std::string& param, absl::string_vie
   return std::nullopt;
 }
 
+// OpenAI's image_url.detail as a pixel budget for the vision service:
+// "low" -> options.detail_low_max_pixels, "high" -> options.detail_high_max_pixels
+// (the vision service lowers it to its --max_pixels_limit), "auto" or absent ->
+// the vision service's default (--default_max_pixels).
+std::optional<ApiError> ParseImageDetail(const json& image_url, const std::string& param,
+                                         const ParseOptions& options, v1::ImageOptions* budget) {
+  const json* detail = Field(image_url, "detail");
+  if (detail == nullptr || detail->is_null()) return std::nullopt;
+  if (!detail->is_string()) return WrongType(param, "a string", *detail);
+  const std::string value = absl::AsciiStrToLower(detail->get<std::string>());
+  if (value == "auto") return std::nullopt;
+  if (value == "low") {
+    budget->set_max_pixels(options.detail_low_max_pixels);
+  } else if (value == "high") {
+    budget->set_max_pixels(options.detail_high_max_pixels);
+  } else {
+    return Invalid(param, absl::StrCat(param, " is \"", detail->get<std::string>(),
+                                       "\"; must be \"low\", \"high\" or \"auto\""));
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseContentPart(const json& part, const std::string& where,
                                          const ParseOptions& options, int message_index,
                                          v1::ChatMessage* message, OpenAiChatRequest* out) {
@@ -154,11 +176,17 @@ std::optional<ApiError> ParseContentPart(const json& part, const std::string& wh
   if (url == nullptr || !url->is_string()) {
     return WrongType(param, "a string (an image URL)", url ? *url : json());
   }
+  v1::ImageOptions budget;
+  if (image != nullptr && image->is_object()) {
+    if (auto e = ParseImageDetail(*image, where + ".image_url.detail", options, &budget)) return e;
+  }
   const std::string& text = url->get_ref<const std::string&>();
   if (absl::StartsWithIgnoreCase(text, "data:")) {
     std::string bytes;
     if (auto e = DecodeDataUrl(param, text, &bytes)) return e;
-    message->add_content()->mutable_image()->set_data(std::move(bytes));
+    v1::ImagePart* part = message->add_content()->mutable_image();
+    part->set_data(std::move(bytes));
+    if (budget.max_pixels() != 0) *part->mutable_options() = budget;
     return std::nullopt;
   }
   if (absl::StartsWithIgnoreCase(text, "http://") || absl::StartsWithIgnoreCase(text, "https://")) {
@@ -176,7 +204,8 @@ std::optional<ApiError> ParseContentPart(const json& part, const std::string& wh
     remote.url = text;
     remote.param = param;
     out->remote_images.push_back(std::move(remote));
-    message->add_content()->mutable_image();  // filled by the front end
+    v1::ImagePart* part = message->add_content()->mutable_image();  // filled by the front end
+    if (budget.max_pixels() != 0) *part->mutable_options() = budget;
     return std::nullopt;
   }
   return Invalid(param, absl::StrCat(param, " must be a data:image/...;base64 URL",
@@ -533,7 +562,9 @@ json Extras(const std::string& request_id, const v1::Usage& usage, const v1::Cha
                     {"grid", {image.grid().t(), image.grid().h(), image.grid().w()}},
                     {"tokens", image.tokens()},
                     {"vision_ms", image.vision_ms()},
-                    {"replica", image.replica()}});
+                    {"replica", image.replica()},
+                    {"max_pixels", image.budget().max_pixels()},
+                    {"min_pixels", image.budget().min_pixels()}});
   }
   return json{{"request_id", request_id},
               {"image_tokens", usage.image_tokens()},

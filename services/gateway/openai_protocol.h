@@ -46,6 +46,12 @@ std::string ErrorJson(const ApiError& error);
 struct ParseOptions {
   std::string served_model_name;     // a request naming another model gets 404 model_not_found
   bool allow_remote_images = false;  // http(s) image URLs; refused (400) when false
+  // image_url.detail as the image's max_pixels: "low" is a small fixed budget
+  // (512x512), "high" asks for as much as the vision service allows (it lowers
+  // the request to its --max_pixels_limit); "auto"/absent leave the vision
+  // service's --default_max_pixels.
+  int64_t detail_low_max_pixels = 512 * 512;
+  int64_t detail_high_max_pixels = int64_t{1} << 40;
 };
 
 // An http(s) image URL left for the front end to fetch into

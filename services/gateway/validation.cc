@@ -1,10 +1,24 @@
 #include "services/gateway/validation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "services/gateway/image_size.h"
+#include "services/vision/preprocess.h"
+
+ABSL_FLAG(int64_t, image_default_max_pixels, 786432,
+          "the vision service's --default_max_pixels, for the gateway's image cost estimate "
+          "(made from an image's header before it is encoded)");
+ABSL_FLAG(double, image_min_ms_per_patch, 0.05,
+          "floor of the ViT time per 16x16 patch, in ms: a request whose deadline is shorter "
+          "than its slowest image's patches times this is refused at once (0 disables)");
+ABSL_FLAG(int64_t, max_image_tokens, 32768,
+          "largest estimated image tokens of one request (0 = no limit)");
 
 namespace vlm::gateway {
 namespace {
@@ -209,6 +223,86 @@ absl::Status ValidateChatRequest(const v1::ChatRequest& request, const Validatio
                                 "; must be in [0, 20]"));
   }
   return ValidateSampling(params.sampling());
+}
+
+std::vector<ImageEstimate> EstimateImages(const v1::ChatRequest& request,
+                                          const ImageCostModel& model) {
+  std::vector<ImageEstimate> out;
+  vision::PreprocessOptions defaults;
+  defaults.patch_size = model.patch_size;
+  defaults.merge_size = model.merge_size;
+  defaults.max_pixels = std::max<int64_t>(model.default_max_pixels, 1);
+  defaults.min_pixels = std::min(model.min_pixels, defaults.max_pixels);
+  const int64_t factor = int64_t{model.patch_size} * model.merge_size;
+  int number = 0;
+  for (const v1::ChatMessage& message : request.messages()) {
+    for (const v1::ContentPart& part : message.content()) {
+      if (!part.has_image()) continue;
+      ++number;
+      const v1::ImagePart& image = part.image();
+      if (image.source_case() != v1::ImagePart::kData) continue;
+      absl::StatusOr<ImageDimensions> dims = ReadImageDimensions(image.data());
+      if (!dims.ok()) continue;
+      int64_t min_pixels = request.image_options().min_pixels();
+      int64_t max_pixels = request.image_options().max_pixels();
+      if (image.options().min_pixels() != 0) min_pixels = image.options().min_pixels();
+      if (image.options().max_pixels() != 0) max_pixels = image.options().max_pixels();
+      // Limits [1, default]: a larger request is estimated at the default (a lower bound).
+      absl::StatusOr<vision::PreprocessOptions> budget =
+          vision::ResolvePixelBudget(defaults, 1, defaults.max_pixels, min_pixels, max_pixels);
+      if (!budget.ok()) continue;
+      absl::StatusOr<vision::ImageSize> size = vision::SmartResize(
+          dims->height, dims->width, factor, budget->min_pixels, budget->max_pixels);
+      if (!size.ok()) continue;
+      ImageEstimate e;
+      e.number = number;
+      e.width = dims->width;
+      e.height = dims->height;
+      e.max_pixels = budget->max_pixels;
+      e.resized_width = size->width;
+      e.resized_height = size->height;
+      e.patches = (size->height / model.patch_size) * (size->width / model.patch_size);
+      e.tokens = e.patches / (int64_t{model.merge_size} * model.merge_size);
+      e.min_ms = static_cast<double>(e.patches) * model.min_ms_per_patch;
+      out.push_back(e);
+    }
+  }
+  return out;
+}
+
+absl::Status CheckImageCost(const v1::ChatRequest& request, const ImageCostModel& model,
+                            absl::Duration time_left) {
+  const std::vector<ImageEstimate> estimates = EstimateImages(request, model);
+  int64_t tokens = 0;
+  const ImageEstimate* slowest = nullptr;
+  for (const ImageEstimate& e : estimates) {
+    tokens += e.tokens;
+    if (slowest == nullptr || e.min_ms > slowest->min_ms) slowest = &e;
+  }
+  if (model.max_image_tokens > 0 && tokens > model.max_image_tokens) {
+    return Invalid(absl::StrCat("the request's images take at least ", tokens,
+                                " tokens (estimated from their sizes); max_image_tokens is ",
+                                model.max_image_tokens,
+                                ": send fewer or smaller images, or detail \"low\""));
+  }
+  if (slowest != nullptr && model.min_ms_per_patch > 0 &&
+      absl::Milliseconds(slowest->min_ms) > time_left) {
+    return absl::DeadlineExceededError(absl::StrFormat(
+        "image %d (%dx%d, resized to %dx%d: %d patches) needs at least %.0f ms in the vision "
+        "encoder (%.3g ms per patch); the deadline leaves %.0f ms",
+        slowest->number, slowest->width, slowest->height, slowest->resized_width,
+        slowest->resized_height, slowest->patches, slowest->min_ms, model.min_ms_per_patch,
+        std::max(0.0, absl::ToDoubleMilliseconds(time_left))));
+  }
+  return absl::OkStatus();
+}
+
+ImageCostModel ImageCostModelFromFlags() {
+  ImageCostModel model;
+  model.default_max_pixels = absl::GetFlag(FLAGS_image_default_max_pixels);
+  model.min_ms_per_patch = absl::GetFlag(FLAGS_image_min_ms_per_patch);
+  model.max_image_tokens = absl::GetFlag(FLAGS_max_image_tokens);
+  return model;
 }
 
 }  // namespace vlm::gateway

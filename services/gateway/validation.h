@@ -8,11 +8,64 @@
 #define VLM_SERVICES_GATEWAY_VALIDATION_H_
 
 #include <cstdint>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "vlm/v1/gateway.pb.h"
 
 namespace vlm::gateway {
+
+// The gateway's estimate of an image's cost from its header (width, height),
+// before the image is encoded. Every estimate is a lower bound, so that only a
+// request that surely fails is refused early:
+//   - the pixel budget is the request's max_pixels (image or request options)
+//     or, when unset or larger, the vision service's default (a larger budget
+//     may be allowed by the vision service's --max_pixels_limit: the image then
+//     costs more than the estimate, never less);
+//   - the ViT time is patches * min_ms_per_patch. The default, 0.05 ms per
+//     16x16 patch, is a floor for the Qwen3-VL-2B ViT (about 0.6 GFLOP per
+//     patch before attention: 0.05 ms is 12 TFLOP/s, far above a CPU server;
+//     2 cores measure 2-4.5 ms per patch), so only a deadline that cannot be
+//     met is refused (DEADLINE_EXCEEDED naming the estimate). Images encode in
+//     parallel: the slowest image bounds the request.
+// Images whose header cannot be read, or that the model refuses (aspect ratio
+// over 200), are left to the vision service, which names the problem.
+struct ImageCostModel {
+  int patch_size = 16;
+  int merge_size = 2;
+  int64_t min_pixels = 65536;           // the checkpoint's min_pixels
+  int64_t default_max_pixels = 786432;  // the vision service's --default_max_pixels
+  double min_ms_per_patch = 0.05;       // 0 disables the deadline check
+  int64_t max_image_tokens = 32768;     // estimated image tokens of one request; 0 = no limit
+};
+
+// An inline image's estimate; `number` is 1-based in request order.
+struct ImageEstimate {
+  int number = 0;
+  int64_t width = 0, height = 0;  // from the header
+  int64_t max_pixels = 0;         // the budget assumed
+  int64_t resized_width = 0, resized_height = 0;
+  int64_t patches = 0;
+  int64_t tokens = 0;
+  double min_ms = 0;
+};
+
+// Estimates for the request's inline images (images named by content_hash
+// are skipped: their size is unknown here, and they are usually cached).
+std::vector<ImageEstimate> EstimateImages(const v1::ChatRequest& request,
+                                          const ImageCostModel& model);
+
+// INVALID_ARGUMENT when the estimated image tokens exceed max_image_tokens,
+// DEADLINE_EXCEEDED when the slowest image's minimum ViT time exceeds
+// `time_left`; both messages name the estimate.
+absl::Status CheckImageCost(const v1::ChatRequest& request, const ImageCostModel& model,
+                            absl::Duration time_left);
+
+// From the flags --image_default_max_pixels, --image_min_ms_per_patch and
+// --max_image_tokens (defined in validation.cc).
+ImageCostModel ImageCostModelFromFlags();
 
 // Operator limits (flags of vlm-gateway with the same names).
 struct ValidationLimits {
@@ -24,6 +77,7 @@ struct ValidationLimits {
   int max_stop_strings = 16;
   int max_stop_string_bytes = 256;
   int max_request_id_bytes = 128;
+  ImageCostModel image_cost;
 };
 
 // Conversation shape (as the chat template needs it): roles system/user/

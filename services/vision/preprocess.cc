@@ -227,6 +227,78 @@ absl::StatusOr<ImageSize> SmartResize(int64_t height, int64_t width, int64_t fac
   return ImageSize{h_bar, w_bar};
 }
 
+int64_t LargestResizedArea(int64_t factor, int64_t min_pixels, int64_t max_pixels) {
+  constexpr double kMaxRatio = 200.0;  // SmartResize's aspect-ratio bound
+  const double f = static_cast<double>(factor);
+  const double big = static_cast<double>(std::max<int64_t>(max_pixels, 1));
+  const double small = static_cast<double>(std::max<int64_t>(min_pixels, 0));
+  // Rounded sides within the budget: at most max_pixels.
+  double bound = big;
+  // Scaled down: each side is floor(side / beta / f) * f <= side / beta, or f
+  // when that floors to zero; the long side / beta is at most sqrt(200 * max).
+  bound = std::max(bound, f * std::sqrt(kMaxRatio * big));
+  bound = std::max(bound, f * f);
+  // Scaled up to min_pixels: each side is ceil(side * beta / f) * f < side * beta + f.
+  bound = std::max(bound, small + f * (std::sqrt(small / kMaxRatio) + std::sqrt(small * kMaxRatio)) +
+                              f * f);
+  return static_cast<int64_t>(std::ceil(bound));
+}
+
+bool BudgetFitsPatches(int64_t factor, int64_t patch_size, int64_t min_pixels, int64_t max_pixels,
+                       int64_t max_patches) {
+  if (max_pixels < 1 || patch_size < 1) return false;
+  return LargestResizedArea(factor, std::min(min_pixels, max_pixels), max_pixels) /
+             (patch_size * patch_size) <=
+         max_patches;
+}
+
+int64_t LargestFittingBudget(int64_t factor, int64_t patch_size, int64_t min_pixels,
+                             int64_t wanted, int64_t max_patches) {
+  if (BudgetFitsPatches(factor, patch_size, min_pixels, wanted, max_patches)) return wanted;
+  const int64_t step = factor * factor;
+  // Start at the area max_patches covers and walk down (a few steps at most:
+  // the bound exceeds max_pixels only for budgets near factor^2 * 200).
+  int64_t budget = std::min(wanted, max_patches * patch_size * patch_size) / step * step;
+  while (budget >= step &&
+         !BudgetFitsPatches(factor, patch_size, min_pixels, budget, max_patches)) {
+    budget -= step;
+  }
+  return budget >= step ? budget : 0;
+}
+
+absl::StatusOr<PreprocessOptions> ResolvePixelBudget(const PreprocessOptions& defaults,
+                                                     int64_t min_pixels_limit,
+                                                     int64_t max_pixels_limit,
+                                                     int64_t requested_min,
+                                                     int64_t requested_max) {
+  auto check = [&](const char* name, int64_t value) -> absl::Status {
+    if (value < 0) {
+      return Invalid(absl::StrFormat("options.%s %d is negative (0 means the server default)",
+                                     name, value));
+    }
+    if (value != 0 && value < min_pixels_limit) {
+      return Invalid(absl::StrFormat("options.%s %d is below the server limit min_pixels_limit %d",
+                                     name, value, min_pixels_limit));
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = check("min_pixels", requested_min); !s.ok()) return s;
+  if (absl::Status s = check("max_pixels", requested_max); !s.ok()) return s;
+  PreprocessOptions options = defaults;
+  if (requested_max > 0) {
+    options.max_pixels = std::min(requested_max, max_pixels_limit);
+    if (requested_min == 0) options.min_pixels = std::min(options.min_pixels, options.max_pixels);
+  }
+  if (requested_min > 0) options.min_pixels = std::min(requested_min, max_pixels_limit);
+  if (options.min_pixels > options.max_pixels) {
+    return Invalid(absl::StrFormat(
+        "min_pixels %d exceeds max_pixels %d%s", options.min_pixels, options.max_pixels,
+        requested_max == 0 ? " (the server default max_pixels; ask for a larger max_pixels)"
+                           : ""));
+  }
+  return options;
+}
+
 RgbImage ResizeBicubic(const RgbImage& image, int width, int height) {
   const bool need_horizontal = width != image.width;
   const bool need_vertical = height != image.height;

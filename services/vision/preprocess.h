@@ -48,6 +48,38 @@ inline constexpr int64_t kSmartResizeMaxPixels = int64_t{1} << 40;  // min/max_p
 absl::StatusOr<ImageSize> SmartResize(int64_t height, int64_t width, int64_t factor,
                                       int64_t min_pixels, int64_t max_pixels);
 
+// An upper bound on the area (pixels) SmartResize returns for any image it
+// accepts (aspect ratio <= 200) with these bounds. Usually max_pixels; larger
+// when max_pixels is so small that a thin image keeps a factor-wide short
+// side, or when the upscale to min_pixels rounds both sides up. Used to size
+// message limits so that the features of every accepted image fit.
+int64_t LargestResizedArea(int64_t factor, int64_t min_pixels, int64_t max_pixels);
+
+// Whether every image resized with (min(min_pixels, max_pixels), max_pixels)
+// has at most `max_patches` patches of patch_size^2 pixels.
+bool BudgetFitsPatches(int64_t factor, int64_t patch_size, int64_t min_pixels, int64_t max_pixels,
+                       int64_t max_patches);
+// The largest max_pixels <= `wanted` for which BudgetFitsPatches holds
+// (`wanted` itself if it fits, else a multiple of factor^2); 0 if none does.
+int64_t LargestFittingBudget(int64_t factor, int64_t patch_size, int64_t min_pixels,
+                             int64_t wanted, int64_t max_patches);
+
+// A request's pixel budget: `requested_min` / `requested_max` (0 = the server
+// default from `defaults`) resolved against the server's limits.
+//   - negative values, and non-zero values below min_pixels_limit, are
+//     INVALID_ARGUMENT naming the limit;
+//   - values above max_pixels_limit are lowered to it (the limit caps what a
+//     request may ask for; the budget used is reported back);
+//   - a requested max_pixels below the default min_pixels lowers min_pixels
+//     to it (asking only for a small budget is never an error); an explicit
+//     min_pixels above the resolved max_pixels is INVALID_ARGUMENT.
+// Images larger than the budget are resized down by SmartResize, never refused.
+absl::StatusOr<PreprocessOptions> ResolvePixelBudget(const PreprocessOptions& defaults,
+                                                     int64_t min_pixels_limit,
+                                                     int64_t max_pixels_limit,
+                                                     int64_t requested_min,
+                                                     int64_t requested_max);
+
 // Pillow's Image.resize((width, height), BICUBIC) on an RGB uint8 image:
 // separable, horizontal pass first, uint8 intermediate, 22-bit fixed-point
 // coefficients, a pass whose size does not change is skipped. Sizes must be

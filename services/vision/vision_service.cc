@@ -56,7 +56,7 @@ ABSL_FLAG(int, encode_queue_size, 16,
 ABSL_FLAG(int, warmup_runs, 1,
           "warm-up forwards on a small generated image before health reports SERVING (>= 1)");
 ABSL_FLAG(int64_t, max_encoded_bytes, 64 << 20, "largest encoded image accepted, in bytes");
-ABSL_FLAG(int64_t, max_decoded_pixels, 100'000'000,
+ABSL_FLAG(int64_t, max_decoded_pixels, 200'000'000,
           "largest image accepted, width x height as stored (checked from the header)");
 ABSL_FLAG(int, min_image_side, 2,
           "smallest image side accepted, in pixels; 1 accepts 1-pixel images as HF does "
@@ -64,8 +64,13 @@ ABSL_FLAG(int, min_image_side, 2,
 ABSL_FLAG(int64_t, min_pixels_limit, 1024,
           "smallest min_pixels / max_pixels a request may ask for");
 ABSL_FLAG(int64_t, max_pixels_limit, 0,
-          "largest min_pixels / max_pixels a request may ask for; 0 = the checkpoint's "
-          "max_pixels. Also caps the server default.");
+          "largest pixel budget a request may ask for (larger requests are lowered to it); "
+          "0 = the checkpoint's max_pixels or, if smaller, the largest budget whose features "
+          "fit --max_message_mb. A value whose features cannot fit is a start-up error.");
+ABSL_FLAG(int64_t, default_max_pixels, 786432,
+          "pixel budget of a request that sets none (larger images are resized down to it); "
+          "sized for CPU serving: 786432 (0.75 MP, 3072 patches, 768 tokens) encodes in "
+          "seconds on 2 cores. 0 = the checkpoint's max_pixels. Capped by --max_pixels_limit.");
 ABSL_FLAG(int64_t, cache_max_bytes, int64_t{1} << 30, "memory cache bound, in bytes");
 ABSL_FLAG(int64_t, cache_max_entries, 4096, "memory cache bound, in images (0 disables it)");
 ABSL_FLAG(double, cache_ttl_s, 0, "cache entry lifetime in seconds; 0 = no expiry");
@@ -87,6 +92,14 @@ std::string Hostname() {
   if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "vlm-vision";
   return name;
 }
+
+// Response bytes per patch at the default wire dtype (BF16): the last hidden
+// state and every deepstack tap.
+int64_t FeatureBytesPerPatch(const VisionConfig& vc) {
+  const int64_t tensors = 1 + static_cast<int64_t>(vc.deepstack_visual_indexes.size());
+  return vc.hidden_size * 2 * tensors;
+}
+constexpr int64_t kResponseEnvelope = 64 << 10;  // grid, hashes, timings, framing
 
 FeatureDType CachedDType(ComputeDType dtype) {
   return dtype == ComputeDType::kBFloat16 ? FeatureDType::kBF16 : FeatureDType::kF32;
@@ -178,6 +191,7 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
   c.min_image_side = absl::GetFlag(FLAGS_min_image_side);
   c.min_pixels_limit = absl::GetFlag(FLAGS_min_pixels_limit);
   c.max_pixels_limit = absl::GetFlag(FLAGS_max_pixels_limit);
+  c.default_max_pixels = absl::GetFlag(FLAGS_default_max_pixels);
   c.max_response_bytes = int64_t{absl::GetFlag(FLAGS_max_message_mb)} << 20;
   const int64_t cache_bytes = absl::GetFlag(FLAGS_cache_max_bytes);
   const int64_t cache_entries = absl::GetFlag(FLAGS_cache_max_entries);
@@ -202,11 +216,13 @@ std::string VisionServiceConfig::Describe() const {
       "model_dir=%s compute_dtype=%s vision_kernels=%d attention_query_tile=%d intra_op_threads=%d "
       "encode_workers=%d encode_queue_size=%d warmup_runs=%d max_encoded_bytes=%d "
       "max_decoded_pixels=%d min_image_side=%d min_pixels_limit=%d max_pixels_limit=%d "
+      "default_max_pixels=%d "
       "max_response_bytes=%d cache_max_bytes=%d cache_max_entries=%d cache_ttl=%s cache_dir=%s cache_disk_max_bytes=%d "
       "replica=%s",
       model_dir, ComputeDTypeName(compute_dtype), use_kernels, attention_query_tile, intra_op_threads,
       encode_workers, encode_queue_size, warmup_runs, decode_limits.max_encoded_bytes,
       decode_limits.max_decoded_pixels, min_image_side, min_pixels_limit, max_pixels_limit,
+      default_max_pixels,
       max_response_bytes, cache.max_bytes, cache.max_entries, absl::FormatDuration(cache.ttl),
       cache.disk_dir.empty() ? "(none)" : cache.disk_dir, cache.disk_max_bytes, replica_name);
 }
@@ -503,8 +519,9 @@ absl::Status CheckServiceConfig(const VisionServiceConfig& c) {
         "--encode_queue_size >= 0");
   }
   if (c.min_image_side < 1) return absl::InvalidArgumentError("--min_image_side must be >= 1");
-  if (c.min_pixels_limit < 1 || c.max_pixels_limit < 0) {
-    return absl::InvalidArgumentError("--min_pixels_limit must be >= 1, --max_pixels_limit >= 0");
+  if (c.min_pixels_limit < 1 || c.max_pixels_limit < 0 || c.default_max_pixels < 0) {
+    return absl::InvalidArgumentError(
+        "--min_pixels_limit must be >= 1, --max_pixels_limit and --default_max_pixels >= 0");
   }
   if (c.decode_limits.max_encoded_bytes < 1 || c.decode_limits.max_decoded_pixels < 1) {
     return absl::InvalidArgumentError("--max_encoded_bytes and --max_decoded_pixels must be >= 1");
@@ -540,19 +557,55 @@ absl::Status VisionService::ReadPreprocessing(const VisionConfig& vc) {
         "preprocessor_config.json: only do_resize, do_convert_rgb and BICUBIC resampling (3) are "
         "supported");
   }
-  // Server defaults: the checkpoint's, inside the operator's limits.
-  const int64_t max_limit = c.max_pixels_limit > 0 ? c.max_pixels_limit : pp->max_pixels;
+  // The largest budget: the checkpoint's maximum, and no more than what the
+  // response limit carries, so that the features of every image a request may
+  // ask for fit one message (an operator's explicit limit that cannot fit is a
+  // start-up error rather than a refusal of some pictures later).
+  const int64_t factor = int64_t{options.patch_size} * options.merge_size;
+  const int64_t patch_area = int64_t{options.patch_size} * options.patch_size;
+  const int64_t per_patch_bytes = FeatureBytesPerPatch(vc);
+  const int64_t fitting_patches = (c.max_response_bytes - kResponseEnvelope) / per_patch_bytes;
+  const int64_t min_default = std::max(pp->min_pixels, c.min_pixels_limit);
+  int64_t max_limit = c.max_pixels_limit;
+  if (max_limit > 0 &&
+      !BudgetFitsPatches(factor, options.patch_size, min_default, max_limit, fitting_patches)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_pixels_limit=", max_limit, " allows images of up to ",
+        LargestResizedArea(factor, std::min(min_default, max_limit), max_limit) / patch_area,
+        " patches, whose features (", per_patch_bytes, " bytes per patch) do not fit "
+        "--max_message_mb=", c.max_response_bytes >> 20, " (", fitting_patches,
+        " patches); raise --max_message_mb or lower --max_pixels_limit to at most ",
+        LargestFittingBudget(factor, options.patch_size, min_default, max_limit,
+                             fitting_patches)));
+  }
+  if (max_limit == 0) {
+    max_limit = LargestFittingBudget(factor, options.patch_size, min_default, pp->max_pixels,
+                                     fitting_patches);
+    if (max_limit == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--max_message_mb=", c.max_response_bytes >> 20,
+          " cannot carry the features of even the smallest image; raise it"));
+    }
+    if (max_limit != pp->max_pixels) {
+      LogInfo(kLog, "max_pixels_limit lowered so that the largest image's features fit a message",
+              {{"checkpoint_max_pixels", static_cast<long long>(pp->max_pixels)},
+               {"max_pixels_limit", static_cast<long long>(max_limit)},
+               {"max_message_mb", static_cast<long long>(c.max_response_bytes >> 20)}});
+    }
+  }
   if (c.min_pixels_limit > max_limit) {
     return absl::InvalidArgumentError(absl::StrCat("--min_pixels_limit=", c.min_pixels_limit,
                                                    " exceeds the max_pixels limit ", max_limit));
   }
   config_.max_pixels_limit = max_limit;
-  options.max_pixels = std::clamp(pp->max_pixels, c.min_pixels_limit, max_limit);
+  // Server defaults: --default_max_pixels (0 = the checkpoint's), inside the limits.
+  const int64_t wanted_max = c.default_max_pixels > 0 ? c.default_max_pixels : pp->max_pixels;
+  options.max_pixels = std::clamp(wanted_max, c.min_pixels_limit, max_limit);
   options.min_pixels = std::clamp(pp->min_pixels, c.min_pixels_limit, options.max_pixels);
-  if (options.max_pixels != pp->max_pixels || options.min_pixels != pp->min_pixels) {
-    LogWarning(kLog, "checkpoint pixel defaults clamped to the server limits",
+  if (options.max_pixels != wanted_max || options.min_pixels != pp->min_pixels) {
+    LogWarning(kLog, "pixel defaults clamped to the server limits",
                {{"checkpoint_min_pixels", static_cast<long long>(pp->min_pixels)},
-                {"checkpoint_max_pixels", static_cast<long long>(pp->max_pixels)},
+                {"wanted_max_pixels", static_cast<long long>(wanted_max)},
                 {"min_pixels", static_cast<long long>(options.min_pixels)},
                 {"max_pixels", static_cast<long long>(options.max_pixels)}});
   }
@@ -702,46 +755,18 @@ absl::Status VisionService::Load() {
 
 absl::StatusOr<PreprocessOptions> VisionService::EffectiveOptions(int64_t min_pixels,
                                                                   int64_t max_pixels) const {
-  PreprocessOptions options = default_options_;
-  const int64_t lo = config_.min_pixels_limit, hi = config_.max_pixels_limit;
-  auto check = [&](const char* name, int64_t value) -> absl::Status {
-    if (value < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("options.", name, " ", value,
-                                                     " is negative (0 means the server default)"));
-    }
-    if (value > hi) {
-      return absl::InvalidArgumentError(absl::StrCat("options.", name, " ", value,
-                                                     " exceeds the server limit max_pixels_limit ",
-                                                     hi));
-    }
-    if (value != 0 && value < lo) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "options.", name, " ", value, " is below the server limit min_pixels_limit ", lo));
-    }
-    return absl::OkStatus();
-  };
-  if (absl::Status s = check("min_pixels", min_pixels); !s.ok()) return s;
-  if (absl::Status s = check("max_pixels", max_pixels); !s.ok()) return s;
-  if (min_pixels > 0) options.min_pixels = min_pixels;
-  if (max_pixels > 0) options.max_pixels = max_pixels;
-  if (options.min_pixels > options.max_pixels) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "min_pixels ", options.min_pixels, " exceeds max_pixels ", options.max_pixels,
-        min_pixels == 0 || max_pixels == 0 ? " (a zero option takes the server default)" : ""));
-  }
-  return options;
+  return ResolvePixelBudget(default_options_, config_.min_pixels_limit, config_.max_pixels_limit,
+                            min_pixels, max_pixels);
 }
 
 absl::Status VisionService::CheckResponseFits(int64_t patches, size_t dtype_size) const {
-  const VisionConfig& vc = model_->config();
-  const int64_t tensors = 1 + static_cast<int64_t>(vc.deepstack_visual_indexes.size());
-  const int64_t bytes = patches * vc.hidden_size * static_cast<int64_t>(dtype_size) * tensors;
-  constexpr int64_t kEnvelope = 64 << 10;  // grid, hashes, timings, framing
-  if (bytes + kEnvelope > config_.max_response_bytes) {
+  const int64_t bytes =
+      patches * FeatureBytesPerPatch(model_->config()) / 2 * static_cast<int64_t>(dtype_size);
+  if (bytes + kResponseEnvelope > config_.max_response_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the features of this image (", patches, " patches, ", bytes,
         " bytes) exceed the response limit of ", config_.max_response_bytes,
-        " bytes (--max_message_mb); ask for a smaller max_pixels"));
+        " bytes (--max_message_mb); ask for a smaller max_pixels or the BF16 dtype"));
   }
   return absl::OkStatus();
 }
@@ -828,6 +853,8 @@ absl::StatusOr<EncodeOutcome> VisionService::EncodeImage(const EncodeCall& call)
     CacheKeyContext key_context{options->min_pixels, options->max_pixels, fingerprint_};
     WaitOptions wait{call.deadline, call.is_cancelled};
     EncodeOutcome outcome;
+    outcome.min_pixels = options->min_pixels;
+    outcome.max_pixels = options->max_pixels;
 
     if (call.by_hash) {
       absl::StatusOr<Sha256Digest> digest = ParseContentHash(call.content_hash);
@@ -933,6 +960,8 @@ absl::Status VisionService::FillResponse(const EncodeOutcome& outcome, v1::DType
   timings->set_encode_ms(outcome.encode_ms);
   timings->set_total_ms(outcome.total_ms);
   response->set_replica(config_.replica_name);
+  response->mutable_options()->set_min_pixels(outcome.min_pixels);
+  response->mutable_options()->set_max_pixels(outcome.max_pixels);
   return absl::OkStatus();
 }
 

@@ -17,9 +17,11 @@
 //     and runs the ViT on a worker.
 //   - `content_hash` alone: only a lookup (memory, flight in progress, disk);
 //     NOT_FOUND if these bytes were not encoded with the same options.
-//   - options: 0 = the checkpoint's preprocessor_config value (capped by the
-//     server limit); values outside [min_pixels_limit, max_pixels_limit] or
-//     min_pixels > max_pixels are INVALID_ARGUMENT naming the limit.
+//   - options: 0 = the server default (default_max_pixels, the checkpoint's
+//     min_pixels); values above max_pixels_limit are lowered to it, values
+//     below min_pixels_limit or an explicit min_pixels > max_pixels are
+//     INVALID_ARGUMENT naming the limit (ResolvePixelBudget). The response's
+//     options carry the budget used.
 //   - bad images are INVALID_ARGUMENT naming the problem; nothing is cached.
 //   - the work queue is bounded: RESOURCE_EXHAUSTED past encode_queue_size
 //     waiting encodes; a request whose deadline passes (or that is cancelled)
@@ -76,11 +78,15 @@ struct VisionServiceConfig {
   // min_pixels area; 2 (the default) rejects 1-pixel-wide images as
   // degenerate, 1 restores the reference's behaviour.
   int min_image_side = 2;
-  // Bounds of a request's min_pixels / max_pixels; max_pixels_limit 0 = the
-  // checkpoint's max_pixels. The server defaults (the checkpoint's values) are
-  // capped to these bounds.
+  // Bounds of a request's min_pixels / max_pixels. max_pixels_limit 0 = the
+  // checkpoint's max_pixels, lowered if needed so that the features of the
+  // largest image fit max_response_bytes; an explicit value that does not fit
+  // fails Load. Requests above the limit are lowered to it.
   int64_t min_pixels_limit = 1024;
   int64_t max_pixels_limit = 0;
+  // The budget of a request that sets none (0 = the checkpoint's max_pixels),
+  // capped by max_pixels_limit: a CPU-sized default.
+  int64_t default_max_pixels = 786432;
   // Largest response message (gRPC send limit); an image whose features would
   // not fit is INVALID_ARGUMENT before any compute.
   int64_t max_response_bytes = int64_t{128} << 20;
@@ -100,6 +106,8 @@ struct EncodeOutcome {
   FeaturesPtr features;
   CacheLevel level = CacheLevel::kMiss;
   std::string content_hash;  // of the bytes this request sent (or named)
+  int64_t min_pixels = 0;    // the pixel budget used (after defaults and limits)
+  int64_t max_pixels = 0;
   double decode_ms = 0;
   double preprocess_ms = 0;
   double encode_ms = 0;

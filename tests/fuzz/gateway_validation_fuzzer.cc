@@ -5,6 +5,8 @@
 // small ones. Properties of an accepted request:
 //   - it is within the limits (messages, images, image bytes, text bytes,
 //     stop strings, max_tokens, request_id);
+//   - the image cost estimate (image headers) answers OK, INVALID_ARGUMENT
+//     or DEADLINE_EXCEEDED;
 //   - its conversation renders with the chat template (the header promises
 //     the shape "as the chat template needs it"), unless its text contains a
 //     vision control token, which only the language service refuses.
@@ -115,6 +117,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!vlm::gateway::ValidateChatRequest(request, *limits).ok()) continue;
     CheckWithinLimits(request, *limits);
     CheckRenders(request);
+    // The cost estimate reads every inline image's header: any bytes, no crash,
+    // and only its two refusals.
+    const absl::Status cost =
+        vlm::gateway::CheckImageCost(request, limits->image_cost, absl::Seconds(1));
+    FUZZ_CHECK(cost.ok() || absl::IsInvalidArgument(cost) || absl::IsDeadlineExceeded(cost),
+               "image cost estimate returned %s", cost.ToString().c_str());
   }
   return 0;
 }

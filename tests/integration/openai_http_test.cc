@@ -128,7 +128,9 @@ class OpenAiHttpTest : public ::testing::Test {
         VLM_VISION_PATH,
         std::vector<std::string>{"--model_dir=" + model_dir_, "--grpc_address=127.0.0.1:0",
                                  "--metrics_address=127.0.0.1:0", "--intra_op_threads=1",
-                                 "--drain_timeout_s=2"},
+                                 "--drain_timeout_s=2",
+                                 // above the tiny checkpoint's 65536: photo-sized budgets
+                                 "--max_pixels_limit=1048576"},
         log_dir_ + "/vision");
     language_ = std::make_unique<ServiceProcess>(
         VLM_LANGUAGE_PATH,
@@ -349,6 +351,60 @@ TEST_F(OpenAiHttpTest, ImageDataUrlIsEncodedOnceThenServedFromTheCache) {
   EXPECT_EQ(image2["content_hash"], image1["content_hash"]);
   EXPECT_TRUE(image2["cache_hit"].get<bool>()) << second.dump();
   EXPECT_GT(first["usage"]["prompt_tokens"].get<int>(), 6);
+}
+
+// A 12-megapixel phone photo (4000x3000 JPEG), made by Pillow at test time;
+// "" if Pillow is missing.
+std::string PhonePhotoJpeg(const std::string& dir) {
+  const std::string path = dir + "/photo_4000x3000.jpg";
+  const std::string script =
+      "import sys\n"
+      "from PIL import Image\n"
+      "g = Image.radial_gradient('L').resize((4000, 3000))\n"
+      "Image.merge('RGB', (g, g.transpose(Image.FLIP_LEFT_RIGHT), g.rotate(90))).save("
+      "sys.argv[1], quality=85)\n";
+  std::ofstream(dir + "/make_photo.py") << script;
+  if (std::system(("/usr/bin/python3 " + dir + "/make_photo.py " + path).c_str()) != 0) return "";
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+json PhotoBody(const std::string& jpeg, const char* detail) {
+  json url = {{"url", "data:image/jpeg;base64," + absl::Base64Escape(jpeg)}};
+  if (detail != nullptr) url["detail"] = detail;
+  json body = ChatBody("", 2);
+  body["messages"][0]["content"] = json::array(
+      {{{"type", "image_url"}, {"image_url", url}}, {{"type", "text"}, {"text", "What is it?"}}});
+  return body;
+}
+
+// The photo as a new user sends it: no options. It is resized to the server's
+// default budget (0.75 MP: 768x1024, 48x64 patches), never refused for size;
+// detail "low" gives 512x512's budget.
+TEST_F(OpenAiHttpTest, PhonePhotoIsResizedToTheBudgetNotRefused) {
+  const std::string jpeg = PhonePhotoJpeg(log_dir_);
+  ASSERT_FALSE(jpeg.empty()) << "Pillow (python3-pil) could not write the photo";
+  struct Case {
+    const char* detail;
+    json grid;
+    int64_t max_pixels;
+  };
+  // smart_resize(3000, 4000, 32, 65536, 786432) = 768x1024 exactly (beta 3.90625);
+  // with 262144: floor(3000 / 6.77 / 32) * 32 = 416, floor(4000 / 6.77 / 32) * 32 = 576.
+  for (const Case& c : {Case{nullptr, json::array({1, 48, 64}), 786432},
+                        Case{"auto", json::array({1, 48, 64}), 786432},
+                        Case{"low", json::array({1, 26, 36}), 262144}}) {
+    auto res = Post(PhotoBody(jpeg, c.detail));
+    ASSERT_TRUE(res);
+    ASSERT_EQ(res->status, 200) << res->body;
+    const json out = json::parse(res->body);
+    const json& image = out["x_vlm"]["images"][0];
+    EXPECT_EQ(image["grid"], c.grid) << out.dump();
+    EXPECT_EQ(image["max_pixels"], c.max_pixels) << out.dump();
+    EXPECT_EQ(image["tokens"], c.grid[1].get<int>() * c.grid[2].get<int>() / 4);
+  }
 }
 
 TEST_F(OpenAiHttpTest, LogprobsComeInOpenAiShape) {
@@ -676,6 +732,24 @@ TEST_F(OpenAiHttpExtraTest, DeadlineIs504) {
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 504) << res->body;
   EXPECT_EQ(json::parse(res->body)["error"]["type"], "timeout");
+  EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
+}
+
+// The gateway reads the photo's size from its JPEG header and refuses at once
+// a deadline its ViT floor cannot meet, naming the estimate.
+TEST_F(OpenAiHttpExtraTest, ImpossibleDeadlineForAPhotoIs504BeforeAnyEncode) {
+  const std::string jpeg = PhonePhotoJpeg(log_dir_);
+  ASSERT_FALSE(jpeg.empty()) << "Pillow (python3-pil) could not write the photo";
+  ExtraGateway g = Start("gateway-estimate", {"--image_min_ms_per_patch=100",
+                                              "--default_deadline_s=60"});
+  auto res = Post(PhotoBody(jpeg, nullptr), g.port);
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 504) << res->body;
+  const std::string message = json::parse(res->body)["error"]["message"];
+  EXPECT_NE(message.find("image 1 (4000x3000, resized to 1024x768: 3072 patches)"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("at least 307200 ms"), std::string::npos) << message;
   EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
 }
 

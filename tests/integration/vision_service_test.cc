@@ -131,6 +131,8 @@ class VisionProcess {
   std::optional<int> Terminate(absl::Duration timeout = absl::Seconds(30)) {
     return process_.Stop(SIGTERM, timeout);
   }
+  std::string LogTail() const { return process_.LogTail(); }
+  std::optional<int> WaitExit(absl::Duration timeout) { return process_.WaitExit(timeout); }
 
  private:
   static std::vector<std::string> WithDefaults(const std::vector<std::string>& flags) {
@@ -472,15 +474,14 @@ TEST_F(VisionServiceCacheTest, UnknownOrMalformedContentHash) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
 }
 
-TEST_F(VisionServiceCacheTest, OptionsOutsideServerLimitsAreRefused) {
+TEST_F(VisionServiceCacheTest, OptionsAboveTheLimitAreCappedAndBadOnesRefused) {
   const std::string png = Png(Pixels(64, 64, 3), 64, 64);
   struct Case {
     int64_t min_pixels, max_pixels;
     const char* names;
   };
-  for (const Case& c : {Case{0, 262145, "max_pixels_limit"}, Case{300000, 0, "max_pixels_limit"},
-                        Case{100, 0, "min_pixels_limit"}, Case{-1, 0, "negative"},
-                        Case{0, 2048, "exceeds max_pixels"}}) {
+  for (const Case& c : {Case{100, 0, "min_pixels_limit"}, Case{-1, 0, "negative"},
+                        Case{4096, 2048, "exceeds max_pixels"}}) {
     v1::EncodeRequest request = ImageRequest(png);
     request.mutable_options()->set_min_pixels(c.min_pixels);
     request.mutable_options()->set_max_pixels(c.max_pixels);
@@ -490,10 +491,54 @@ TEST_F(VisionServiceCacheTest, OptionsOutsideServerLimitsAreRefused) {
         << c.min_pixels << " " << c.max_pixels;
     EXPECT_NE(s.error_message().find(c.names), std::string::npos) << s.error_message();
   }
-  // Inside the limits (max_pixels above the checkpoint default, within the server limit).
+  // Above the server limit (262144): lowered to it, and the budget used is reported.
+  for (int64_t max_pixels : {int64_t{262145}, int64_t{1} << 40}) {
+    v1::EncodeResponse response;
+    grpc::Status s = process_->Encode(ImageRequest(png, max_pixels), &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(response.options().max_pixels(), 262144);
+  }
+  // No budget: the server default (--default_max_pixels, capped by the limit).
   v1::EncodeResponse response;
-  grpc::Status s = process_->Encode(ImageRequest(png, 262144), &response);
-  EXPECT_TRUE(s.ok()) << s.error_message();
+  grpc::Status s = process_->Encode(ImageRequest(png), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.options().max_pixels(), 262144);
+  s = process_->Encode(ImageRequest(png, 16384), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.options().max_pixels(), 16384);
+  EXPECT_LE(response.options().min_pixels(), 16384);
+}
+
+// The largest budget follows the message limit: the features of any image a
+// request may ask for fit one response; an explicit limit that cannot fit is
+// a start-up error naming both flags.
+TEST(VisionServiceLimitsTest, PixelLimitFollowsTheMessageSize) {
+  ASSERT_FALSE(TinyCheckpoint().empty()) << "VLM_TINY_CHECKPOINT is not set";
+  {
+    // Tiny model: 64 hidden x 3 tensors x 2 bytes = 384 bytes per patch; 1 MiB
+    // carries (1 MiB - 64 KiB) / 384 = 2560 patches.
+    VisionProcess bad({"--max_message_mb=1", "--max_pixels_limit=1048576"});
+    const std::optional<int> exit_code = bad.WaitExit(absl::Seconds(60));
+    ASSERT_TRUE(exit_code.has_value()) << "vlm-vision kept running\n" << bad.LogTail();
+    EXPECT_NE(*exit_code, 0);
+    const std::string log = bad.LogTail();
+    EXPECT_NE(log.find("--max_pixels_limit=1048576"), std::string::npos) << log;
+    EXPECT_NE(log.find("--max_message_mb=1"), std::string::npos) << log;
+  }
+  // The largest limit that fits: 2560 patches of 256 pixels.
+  VisionProcess p({"--max_message_mb=1", "--max_pixels_limit=655360"});
+  ASSERT_TRUE(p.Start());
+  const std::string big = Png(Pixels(1200, 900, 5), 1200, 900);  // 1.08 MP
+  for (int64_t max_pixels : {int64_t{0}, int64_t{1} << 40}) {
+    v1::EncodeResponse response;
+    grpc::Status s = p.Encode(ImageRequest(big, max_pixels), &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    const v1::ImageGrid& g = response.features().grid();
+    EXPECT_EQ(g.t(), 1);
+    EXPECT_LE(g.h() * g.w(), 2560);
+    EXPECT_EQ(response.options().max_pixels(), 655360);  // the default is capped too
+  }
+  EXPECT_EQ(p.Terminate(), std::optional<int>(0));
 }
 
 TEST_F(VisionServiceCacheTest, BadImagesAreInvalidArgumentAndNothingIsCached) {

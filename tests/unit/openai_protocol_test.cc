@@ -93,6 +93,38 @@ TEST(OpenAiRequestTest, EveryParameterReachesTheChatRequest) {
   EXPECT_TRUE(out.logprobs);
 }
 
+// image_url.detail: a pixel budget carried in the image's options.
+TEST(OpenAiRequestTest, DetailBecomesThePixelBudget) {
+  auto parse = [](json detail, OpenAiChatRequest* out) {
+    json url = {{"url", "data:image/png;base64," + absl::Base64Escape("PNGBYTES")}};
+    if (!detail.is_discarded()) url["detail"] = std::move(detail);
+    json body = Body();
+    body["messages"][0]["content"] =
+        json::array({{{"type", "image_url"}, {"image_url", std::move(url)}}});
+    return Parse(body, out);
+  };
+  struct Case {
+    json detail;
+    int64_t max_pixels;  // 0 = the vision service's default
+  };
+  for (const Case& c : {Case{"low", 262144}, Case{"LOW", 262144}, Case{"high", int64_t{1} << 40},
+                        Case{"auto", 0}, Case{nullptr, 0}, Case{json::value_t::discarded, 0}}) {
+    OpenAiChatRequest out;
+    ASSERT_EQ(parse(c.detail, &out), std::nullopt) << c.detail.dump();
+    const v1::ImagePart& image = out.request.messages(0).content(0).image();
+    EXPECT_EQ(image.data(), "PNGBYTES");
+    EXPECT_EQ(image.options().max_pixels(), c.max_pixels) << c.detail.dump();
+    EXPECT_EQ(image.options().min_pixels(), 0);
+  }
+  for (const json& bad : {json("medium"), json(3), json::array()}) {
+    OpenAiChatRequest out;
+    std::optional<ApiError> e = parse(bad, &out);
+    ASSERT_NE(e, std::nullopt) << bad.dump();
+    EXPECT_EQ(e->param, "messages[0].content[0].image_url.detail");
+    EXPECT_EQ(e->code, grpc::StatusCode::INVALID_ARGUMENT);
+  }
+}
+
 TEST(OpenAiRequestTest, NullMeansAbsentAndModelDefaultsToTheServedOne) {
   json body = Body();
   body.erase("model");
@@ -245,12 +277,16 @@ TEST(OpenAiResponseTest, ChunksCarryIdModelUsageAndFinishReason) {
   last.mutable_usage()->set_cached_prompt_tokens(8);
   v1::ImageResult* image = last.add_images();
   image->set_cache(v1::CACHE_LEVEL_MEMORY);
+  image->mutable_budget()->set_min_pixels(65536);
+  image->mutable_budget()->set_max_pixels(786432);
   const std::vector<std::string> final_chunks = f.FinalChunks(last);
   ASSERT_EQ(final_chunks.size(), 2u);  // no text left: finish + usage
   const json finish = json::parse(final_chunks[0]);
   EXPECT_EQ(finish["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(finish["x_vlm"]["images"][0]["cache"], "memory");
   EXPECT_TRUE(finish["x_vlm"]["images"][0]["cache_hit"].get<bool>());
+  EXPECT_EQ(finish["x_vlm"]["images"][0]["max_pixels"], 786432);
+  EXPECT_EQ(finish["x_vlm"]["images"][0]["min_pixels"], 65536);
   const json usage = json::parse(final_chunks[1]);
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["total_tokens"], 13);
