@@ -365,47 +365,13 @@ int NestingDepth(std::string_view text, int limit) {
   return deepest;
 }
 
-std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
-                                                   const ParseOptions& options,
-                                                   OpenAiChatRequest* out) {
-  constexpr int kMaxDepth = 32;  // a chat request needs 6
-  if (NestingDepth(body_text, kMaxDepth) > kMaxDepth) {
-    ApiError error = Invalid("", absl::StrCat("the request body nests arrays or objects deeper "
-                                              "than ", kMaxDepth, " levels"));
-    error.error_code = "invalid_json";
-    return error;
-  }
-  json body;
-  try {
-    body = json::parse(body_text);
-  } catch (const json::parse_error& e) {
-    ApiError error = Invalid("", absl::StrCat("the request body is not valid JSON: ", e.what()));
-    error.error_code = "invalid_json";
-    return error;
-  }
-  if (!body.is_object()) return Invalid("", "the request body must be a JSON object");
-
-  if (const json* model = Field(body, "model")) {
-    if (!model->is_string()) return WrongType("model", "a string", *model);
-    out->model = model->get<std::string>();
-    if (out->model != options.served_model_name) {
-      ApiError e;
-      e.code = grpc::StatusCode::NOT_FOUND;
-      e.message = absl::StrCat("the model \"", out->model, "\" does not exist; this server serves \"",
-                               options.served_model_name, "\" (GET /v1/models)");
-      e.param = "model";
-      e.error_code = "model_not_found";
-      return e;
-    }
-  } else {
-    out->model = options.served_model_name;
-  }
-  if (auto e = ParseMessages(body, options, out)) return e;
-
+// max_tokens / max_completion_tokens, sampling, stop strings, logprobs and
+// ignore_eos into out->request.params.
+std::optional<ApiError> ParseGenerationParams(const json& body, OpenAiChatRequest* out) {
   v1::GenerationParams* params = out->request.mutable_params();
   v1::SamplingParams* sampling = params->mutable_sampling();
 
-  std::optional<int64_t> max_tokens, max_completion_tokens, top_k, seed, n, top_logprobs;
+  std::optional<int64_t> max_tokens, max_completion_tokens, top_k, seed, top_logprobs;
   if (auto e = GetInt(body, "max_tokens", &max_tokens)) return e;
   if (auto e = GetInt(body, "max_completion_tokens", &max_completion_tokens)) return e;
   if (max_completion_tokens || max_tokens) {
@@ -418,7 +384,6 @@ std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
     params->set_max_tokens(value);
   }
 
-  std::optional<float> number;
   struct FloatField {
     const char* name;
     void (v1::SamplingParams::*set)(float);
@@ -432,7 +397,7 @@ std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
       {"repetition_penalty", &v1::SamplingParams::set_repetition_penalty},
   };
   for (const FloatField& f : floats) {
-    number.reset();
+    std::optional<float> number;
     if (auto e = GetNumber(body, f.name, &number)) return e;
     if (number) (sampling->*f.set)(*number);
   }
@@ -474,6 +439,49 @@ std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
   if (auto e = GetBool(body, "ignore_eos", &ignore_eos)) return e;
   params->set_ignore_eos(ignore_eos);
 
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
+                                                   const ParseOptions& options,
+                                                   OpenAiChatRequest* out) {
+  constexpr int kMaxDepth = 32;  // a chat request needs 6
+  if (NestingDepth(body_text, kMaxDepth) > kMaxDepth) {
+    ApiError error = Invalid("", absl::StrCat("the request body nests arrays or objects deeper "
+                                              "than ", kMaxDepth, " levels"));
+    error.error_code = "invalid_json";
+    return error;
+  }
+  json body;
+  try {
+    body = json::parse(body_text);
+  } catch (const json::parse_error& e) {
+    ApiError error = Invalid("", absl::StrCat("the request body is not valid JSON: ", e.what()));
+    error.error_code = "invalid_json";
+    return error;
+  }
+  if (!body.is_object()) return Invalid("", "the request body must be a JSON object");
+
+  if (const json* model = Field(body, "model")) {
+    if (!model->is_string()) return WrongType("model", "a string", *model);
+    out->model = model->get<std::string>();
+    if (out->model != options.served_model_name) {
+      ApiError e;
+      e.code = grpc::StatusCode::NOT_FOUND;
+      e.message = absl::StrCat("the model \"", out->model, "\" does not exist; this server serves \"",
+                               options.served_model_name, "\" (GET /v1/models)");
+      e.param = "model";
+      e.error_code = "model_not_found";
+      return e;
+    }
+  } else {
+    out->model = options.served_model_name;
+  }
+  if (auto e = ParseMessages(body, options, out)) return e;
+
+  if (auto e = ParseGenerationParams(body, out)) return e;
+
+  std::optional<int64_t> n;
   if (auto e = GetInt(body, "n", &n)) return e;
   if (n && *n != 1) return Invalid("n", absl::StrCat("n is ", *n, "; only n=1 is supported"));
   for (const char* name : {"tools", "functions"}) {
