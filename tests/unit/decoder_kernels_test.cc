@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include "common/cpu_features.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/amx_emulation_support.h"
 #include "common/kernels/gemm.h"
@@ -316,6 +317,10 @@ TEST(DecoderKernelsTest, KernelsAgreeWithTorchPathAndReference) {
 
 TEST(DecoderKernelsTest, KernelsOnAmxAgreeWithTorchPathAndReference) {
   AmxPathScope amx;
+  if (!GetCpuFeatures().avx512bf16) {
+    GTEST_SKIP() << "the amx path needs AVX-512 BF16 (its epilogue) even when emulated; this CPU "
+                    "or VLM_ISA does not offer it";
+  }
   ASSERT_TRUE(amx.ok()) << "the amx path needs AVX-512 BF16 (its epilogue) even when emulated";
   RecordProperty("amx", amx.mode());
   auto d = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kKernels);
@@ -326,6 +331,10 @@ TEST(DecoderKernelsTest, KernelsOnAmxAgreeWithTorchPathAndReference) {
 
 TEST(DecoderKernelsTest, BatchInvarianceIsExactWithKernelsOnAmx) {
   AmxPathScope amx;
+  if (!GetCpuFeatures().avx512bf16) {
+    GTEST_SKIP() << "the amx path needs AVX-512 BF16 (its epilogue) even when emulated; this CPU "
+                    "or VLM_ISA does not offer it";
+  }
   ASSERT_TRUE(amx.ok());
   auto d = LoadTiny(ComputeDType::kBFloat16, MatmulPath::kKernels);
   ASSERT_NE(d, nullptr);

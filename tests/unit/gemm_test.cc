@@ -3,6 +3,7 @@
 // path runs on real tiles where the CPU has them, else on the AMX emulation
 // (amx_emulation.h), so it never skips on an AVX-512 BF16 machine; its sums
 // are also checked bit for bit against the SDM's TDPBF16PS order.
+#include "common/cpu_features.h"
 #include "common/kernels/gemm.h"
 
 #include <algorithm>
@@ -333,6 +334,10 @@ at::Tensor SdmOrderReference(const at::Tensor& x, const at::Tensor& w, const at:
 
 TEST(GemmAmxTest, SumsEqualTheSdmOrderBitForBitAndStayWithinTheBound) {
   const std::string mode = testing::UseAmxEmulationUnlessHardware();
+  if (!GetCpuFeatures().avx512bf16) {
+    GTEST_SKIP() << "the amx path needs AVX-512 BF16 (its epilogue) even when emulated; this "
+                    "CPU or VLM_ISA does not offer it";
+  }
   std::string missing;
   ASSERT_TRUE(GemmPathSupported(GemmPath::kAmx, &missing)) << missing;
   at::manual_seed(7);

@@ -38,6 +38,10 @@ class VisionKernelsTest : public ::testing::TestWithParam<kernels::GemmPath> {
   void SetUp() override {
     at::set_num_threads(2);
     if (!kernels::FlashAttentionSupported()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
+    if (!GetCpuFeatures().avx512bf16) {
+      GTEST_SKIP() << "the " << kernels::GemmPathName(GetParam())
+                   << " path needs AVX-512 BF16, which this CPU or VLM_ISA does not offer";
+    }
     before_ = kernels::DefaultGemmPath();
     if (GetParam() == kernels::GemmPath::kAmx) {
       RecordProperty("amx", kernels::testing::UseAmxEmulationUnlessHardware());
