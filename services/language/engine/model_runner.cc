@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/torch_util.h"
 
 namespace vlm::language {
 namespace {
@@ -34,8 +35,7 @@ absl::StatusOr<std::unique_ptr<DecoderRunner>> DecoderRunner::Create(const Proje
 
 absl::StatusOr<ProjectedImages> DecoderRunner::ProjectImage(const ImageFeatures& image) {
   try {
-    const at::ScalarType dtype =
-        projector_->compute_dtype() == ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
+    const at::ScalarType dtype = ScalarTypeOf(projector_->compute_dtype());
     std::vector<at::Tensor> deepstack;
     for (const at::Tensor& d : image.deepstack) deepstack.push_back(d.to(dtype));
     const GridThw grids[] = {image.grid};

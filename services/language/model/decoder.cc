@@ -22,19 +22,12 @@
 #include "common/kernels/gemv.h"
 #include "common/kernels/paged_attention.h"
 #include "common/kernels/row_ops.h"
+#include "common/torch_util.h"
 
 namespace vlm::language {
 namespace {
 
 constexpr int64_t kGemvRows = 8;  // Gemv is meant for <= 8 input rows
-
-at::ScalarType ToScalarType(ComputeDType dtype) {
-  return dtype == ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
-}
-
-absl::Status Internal(const char* where, const c10::Error& e) {
-  return absl::InternalError(absl::StrCat(where, ": ", e.what_without_backtrace()));
-}
 
 // Turns a failed kernel status into an exception so the forward code stays
 // linear; caught at the API boundary like LibTorch's own errors.
@@ -145,7 +138,7 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   std::string matmul_note;
   absl::StatusOr<LayerStoreOptions> layer_options = d->ChooseProjectionForm(warning, &matmul_note);
   if (!layer_options.ok()) return layer_options.status();
-  const at::ScalarType dtype = ToScalarType(d->compute_dtype_);
+  const at::ScalarType dtype = ScalarTypeOf(d->compute_dtype_);
   absl::StatusOr<std::unique_ptr<LayerStore>> store =
       LayerStore::Create(checkpoint, config.text, *prefix, dtype, *layer_options);
   if (!store.ok()) return store.status();
@@ -184,7 +177,7 @@ absl::Status Decoder::LoadEmbeddingAndNorm(const std::string& prefix, std::strin
   const TextConfig& c = config_.text;
   const ModelConfig& config = config_;
   const DecoderOptions& options = options_;
-  const at::ScalarType dtype = ToScalarType(compute_dtype_);
+  const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
   const SafetensorsCheckpoint& ckpt = *checkpoint_;
   const std::vector<int64_t> table = {c.vocab_size, c.hidden_size};
   // Head rule (spec §2): tied -> embed_tokens (else lm_head) for both roles;
@@ -254,7 +247,7 @@ absl::Status Decoder::LoadEmbeddingAndNorm(const std::string& prefix, std::strin
 
     rotary_ = std::make_unique<MultimodalRotary>(c);
   } catch (const c10::Error& e) {
-    return Internal("decoder load", e);
+    return StatusFromException("decoder load", e);
   }
 
   *tie_rule_out = tie_rule;
@@ -267,7 +260,7 @@ absl::Status Decoder::LoadEmbeddingAndNorm(const std::string& prefix, std::strin
 absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::string& warning,
                                                                 std::string* matmul_note_out) {
   const DecoderOptions& options = options_;
-  const at::ScalarType dtype = ToScalarType(compute_dtype_);
+  const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
   LayerStoreOptions layer_options = options.layers;
   layer_options.form = ProjectionForm::kDense;
   std::string matmul_note;
@@ -358,7 +351,7 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
       }
       WeightBytesResidentGauge("embedding").Set(static_cast<double>(embedding_bytes_));
     } catch (const c10::Error& e) {
-      return Internal("LM head packing", e);
+      return StatusFromException("LM head packing", e);
     }
   }
   *head_note_out = head_note;
@@ -447,7 +440,7 @@ absl::StatusOr<KvStorage> Decoder::NewKvStorage(int64_t num_blocks, int64_t bloc
   // past a sequence's length may hold zeros or an earlier owner's K/V, as
   // before: attention reads only keys below each query's index (lanes past
   // them are computed and discarded, never summed).
-  const at::ScalarType dtype = ToScalarType(compute_dtype_);
+  const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
   const auto opts = at::TensorOptions().dtype(dtype);
   const auto lazy = [&](std::vector<int64_t> shape) -> absl::StatusOr<at::Tensor> {
     size_t bytes = c10::elementSize(dtype);
@@ -516,7 +509,7 @@ void ScatterKeys(const at::Tensor& k, const at::Tensor& cache,
 // The KV storage has this decoder's geometry and dtype (what NewKvStorage makes).
 absl::Status Decoder::ValidateKvStorage(const KvStorage& kv) const {
   const TextConfig& c = config_.text;
-  const at::ScalarType dtype = ToScalarType(compute_dtype_);
+  const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
   const int64_t layers = c.num_hidden_layers;
   if (kv.block_size < 1 || kv.num_blocks < 1 || static_cast<int64_t>(kv.k.size()) != layers ||
       static_cast<int64_t>(kv.v.size()) != layers) {
@@ -842,7 +835,7 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
   const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
   const double eps = c.rms_norm_eps;
   try {
-    const at::ScalarType dtype = ToScalarType(compute_dtype_);
+    const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
     const auto long_opts = at::TensorOptions().dtype(at::kLong);
     // --- the pass's rows: prefill chunks, then decode chunks ------------------
     Batch b;
@@ -934,7 +927,7 @@ absl::StatusOr<at::Tensor> Decoder::Forward(KvStorage& kv,
         RowRmsNorm(x.index_select(0, at::tensor(logit_rows, long_opts)), final_norm_, eps);
     return Head(hidden);
   } catch (const c10::Error& e) {
-    return Internal("forward", e);
+    return StatusFromException("forward", e);
   }
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/nn.h"
+#include "common/torch_util.h"
 #include "services/language/model/layer_store.h"
 
 namespace vlm::language {
@@ -20,10 +21,6 @@ namespace {
 constexpr double kLayerNormEps = 1e-6;  // hard-coded in the reference (§1)
 // Merged tokens per projector pass: bounds the fc1 activation ([rows, 4·hidden]).
 constexpr int64_t kRowsPerPass = 4096;
-
-at::ScalarType ToScalarType(ComputeDType dtype) {
-  return dtype == ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
-}
 
 }  // namespace
 
@@ -71,7 +68,7 @@ absl::StatusOr<std::unique_ptr<Projector>> Projector::Load(const SafetensorsChec
   p->vision_hidden_ = v.hidden_size;
   p->out_hidden_ = v.out_hidden_size;
   p->merge_size_ = v.spatial_merge_size;
-  const at::ScalarType dtype = ToScalarType(p->compute_dtype_);
+  const at::ScalarType dtype = ScalarTypeOf(p->compute_dtype_);
   const int64_t unit = v.spatial_merge_size * v.spatial_merge_size;
   const int64_t wide = unit * v.hidden_size;
 
@@ -170,7 +167,7 @@ absl::StatusOr<ProjectedImages> Projector::Forward(const at::Tensor& last_hidden
     if (!s.ok()) return s;
   }
   try {
-    const at::ScalarType dtype = ToScalarType(compute_dtype_);
+    const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
     const int64_t merged = patches / unit;
     ProjectedImages out;
     auto run = [&](const Merger& merger, const at::Tensor& x) {
@@ -194,7 +191,7 @@ absl::StatusOr<ProjectedImages> Projector::Forward(const at::Tensor& last_hidden
 
 absl::Status Projector::WarmUp() const {
   try {
-    const at::ScalarType dtype = ToScalarType(compute_dtype_);
+    const at::ScalarType dtype = ScalarTypeOf(compute_dtype_);
     const GridThw grid = {1, merge_size_, merge_size_};
     at::Tensor zeros = at::zeros({merge_size_ * merge_size_, vision_hidden_},
                                  at::TensorOptions().dtype(dtype));
