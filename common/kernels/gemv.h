@@ -67,8 +67,4 @@ absl::Status Gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor* y,
 absl::Status GemvMulti(const at::Tensor& x, absl::Span<const at::Tensor> ws,
                        absl::Span<at::Tensor* const> ys, const GemvOptions& options = {});
 
-// Read bandwidth of `bytes` at `data` with `threads` threads (std::thread),
-// bytes per second of one full pass: the memory bound Gemv is measured against.
-double MeasureReadBandwidth(const void* data, size_t bytes, int threads);
-
 }  // namespace vlm

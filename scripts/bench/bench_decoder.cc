@@ -41,6 +41,7 @@
 #include "common/kernels/gemv.h"
 #include "common/kernels/paged_attention.h"
 #include "services/language/model/projector.h"
+#include "scripts/bench/read_bandwidth.h"
 
 ABSL_FLAG(std::string, checkpoint, "", "model directory");
 ABSL_FLAG(int, threads, 2, "intra-op threads");

@@ -43,6 +43,7 @@
 #include "common/omp_wait_policy.h"
 #include "scripts/bench/on_threads.h"
 #include "common/kernels/gemv.h"
+#include "scripts/bench/read_bandwidth.h"
 
 namespace {
 

@@ -69,6 +69,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "common/kernels/gemv.h"
 #include "vlm/v1/language.grpc.pb.h"
+#include "scripts/bench/read_bandwidth.h"
 
 ABSL_FLAG(std::string, model_dir, "",
           "checkpoint directory (default: $VLM_CACHE_DIR/checkpoints/2b, else "

@@ -52,6 +52,7 @@
 #include "tests/integration/service_process.h"
 #include "tests/integration/test_png.h"
 #include "vlm/v1/gateway.grpc.pb.h"
+#include "scripts/bench/read_bandwidth.h"
 
 ABSL_FLAG(std::string, model_dir, "",
           "checkpoint directory (default: $VLM_CACHE_DIR or ~/.cache/vlm, /checkpoints/2b)");

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "common/kernels/gemv.h"
+#include "scripts/bench/read_bandwidth.h"
 
 namespace vlm::bench {
 
