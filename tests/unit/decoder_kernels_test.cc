@@ -315,7 +315,21 @@ TEST(DecoderKernelsTest, KernelsAgreeWithTorchPathAndReference) {
   ExpectKernelsAgreeWithTorchPathAndReference();
 }
 
+// The AMX decoder cases run the whole tiny model (LM head included) on the
+// emulated tiles: about 100 s in the normal build, several times that under
+// ASan. Under a sanitizer they skip; gemm_test and gemm_int8_test run the AMX
+// kernel itself there.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
 TEST(DecoderKernelsTest, KernelsOnAmxAgreeWithTorchPathAndReference) {
+  if (kSanitized && !kernels::testing::HaveAmxHardware()) {
+    GTEST_SKIP() << "emulated AMX over the whole model is too slow under a sanitizer; gemm_test "
+                    "covers the AMX kernel there";
+  }
   AmxPathScope amx;
   if (!GetCpuFeatures().avx512bf16) {
     GTEST_SKIP() << "the amx path needs AVX-512 BF16 (its epilogue) even when emulated; this CPU "
@@ -330,6 +344,10 @@ TEST(DecoderKernelsTest, KernelsOnAmxAgreeWithTorchPathAndReference) {
 }
 
 TEST(DecoderKernelsTest, BatchInvarianceIsExactWithKernelsOnAmx) {
+  if (kSanitized && !kernels::testing::HaveAmxHardware()) {
+    GTEST_SKIP() << "emulated AMX over the whole model is too slow under a sanitizer; gemm_test "
+                    "covers the AMX kernel there";
+  }
   AmxPathScope amx;
   if (!GetCpuFeatures().avx512bf16) {
     GTEST_SKIP() << "the amx path needs AVX-512 BF16 (its epilogue) even when emulated; this CPU "
