@@ -263,7 +263,6 @@ absl::Status LanguageService::LoadDecoder() {
   checkpoint_ = std::shared_ptr<const SafetensorsCheckpoint>(std::move(*checkpoint));
   DecoderOptions decoder_options;
   decoder_options.compute_dtype = options_.compute_dtype;
-  decoder_options.use_gemv = options_.use_gemv;
   decoder_options.matmul = options_.matmul;
   decoder_options.weight_dtype = options_.weight_dtype;
   decoder_options.int8_prefill_gemm = options_.int8_prefill_gemm;

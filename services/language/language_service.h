@@ -66,7 +66,6 @@ struct LanguageServiceOptions {
   bool eager_load = false;
   int resident_layers = 0;      // 0 = no bound
   int prefetch_layers = 1;
-  bool use_gemv = true;
   MatmulPath matmul = MatmulPath::kAuto;             // decoder.h
   WeightDType weight_dtype = WeightDType::kBFloat16;  // decoder.h
   bool int8_prefill_gemm = true;  // DecoderOptions::int8_prefill_gemm
