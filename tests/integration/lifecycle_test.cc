@@ -57,20 +57,9 @@ constexpr int kPlainClients = 6;
 constexpr int kGrpcClients = 8;
 constexpr int kMaxVanishMs = 2000;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using testing::ReadFile;
 
-// "vlm: http=HOST:PORT" from a gateway's stdout.
-int HttpPort(const std::string& out_path) {
-  static const std::regex kLine(R"(vlm: http=(\S+):(\d+))");
-  std::smatch m;
-  const std::string text = ReadFile(out_path);
-  return std::regex_search(text, m, kLine) ? std::stoi(m[2]) : 0;
-}
+int HttpPort(const std::string& out_path) { return testing::GatewayHttpPort(ReadFile(out_path)); }
 
 // A sample of `key` on the HTTP server at `port`; -1 if unreadable.
 double Metric(int port, const std::string& key) {

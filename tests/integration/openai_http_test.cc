@@ -52,20 +52,9 @@ bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) 
   return condition();
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using testing::ReadFile;
 
-// "vlm: http=HOST:PORT" from a gateway's stdout.
-int HttpPort(const std::string& out_path) {
-  static const std::regex kLine(R"(vlm: http=(\S+):(\d+))");
-  std::smatch m;
-  const std::string text = ReadFile(out_path);
-  return std::regex_search(text, m, kLine) ? std::stoi(m[2]) : 0;
-}
+int HttpPort(const std::string& out_path) { return testing::GatewayHttpPort(ReadFile(out_path)); }
 
 struct CurlResult {
   int exit_code = -1;

@@ -42,13 +42,7 @@ using testing::ServiceProcess;
 
 constexpr char kParam[] = "messages[0].content[1].image_url.url";
 
-// "vlm: http=HOST:PORT" from a gateway's stdout.
-int HttpPort(const ServiceProcess& p) {
-  static const std::regex kLine(R"(vlm: http=(\S+):(\d+))");
-  std::smatch m;
-  const std::string text = p.Stdout();
-  return std::regex_search(text, m, kLine) ? std::stoi(m[2]) : 0;
-}
+int HttpPort(const ServiceProcess& p) { return testing::GatewayHttpPort(p.Stdout()); }
 
 struct Gateway {
   std::unique_ptr<ServiceProcess> process;

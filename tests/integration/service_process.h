@@ -51,6 +51,22 @@ inline std::string TestLogDir(const std::string& suite) {
   return dir;
 }
 
+// The whole file at `path` ("" if unreadable).
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The HTTP port a gateway printed as "vlm: http=HOST:PORT" in `stdout_text`;
+// 0 while it has printed none.
+inline int GatewayHttpPort(const std::string& stdout_text) {
+  static const std::regex kLine(R"(vlm: http=(\S+):(\d+))");
+  std::smatch m;
+  return std::regex_search(stdout_text, m, kLine) ? std::stoi(m[2]) : 0;
+}
+
 // Polls `condition` every 20 ms until it holds or `timeout` passes; returns its last value.
 inline bool Eventually(const std::function<bool()>& condition, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
