@@ -160,7 +160,10 @@ absl::Status EvaluateReadiness(absl::Span<const BackendState> language,
   if (language.empty()) return absl::FailedPreconditionError("no language replica is known");
   if (!AnyServing(language)) {
     if (language.size() == 1) {
-      return absl::FailedPreconditionError(absl::StrCat("language service ", Describe(language[0])));
+      const BackendState& only = language[0];
+      return absl::FailedPreconditionError(absl::StrCat(
+          "language service ", only.name, " is ", BackendStatusName(only.status),
+          only.detail.empty() ? "" : absl::StrCat(" (", only.detail, ")")));
     }
     return absl::FailedPreconditionError(
         absl::StrCat("no language replica is SERVING: ", DescribeAll(language)));
