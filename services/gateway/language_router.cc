@@ -147,6 +147,7 @@ LanguageReplica::~LanguageReplica() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    if (call_ != nullptr) call_->TryCancel();
     cv_.SignalAll();
   }
   if (poller_.joinable()) poller_.join();
@@ -180,14 +181,21 @@ void LanguageReplica::PollLoop(absl::Duration refresh, const std::function<void(
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(
           absl::Now() + std::clamp(refresh * 2, absl::Milliseconds(200), absl::Seconds(2))));
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) return;
+        call_ = &context;
+      }
       v1::ReplicaInfoResponse info;
       const grpc::Status status = stub_->ReplicaInfo(&context, v1::ReplicaInfoRequest(), &info);
       absl::MutexLock lock(&mu_);
+      call_ = nullptr;
+      if (stop_) return;
       if (status.ok()) {
         changed = info_state_ != InfoState::kOk || fingerprint_ != info.model_fingerprint();
         info_state_ = InfoState::kOk;
         fingerprint_ = info.model_fingerprint();
-        reported_load_ = info.running() + info.waiting();
+        others_load_ = std::max(0, info.running() + info.waiting() - inflight_.load());
         info_error_.clear();
       } else if (status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
         changed = info_state_ != InfoState::kUnimplemented;
@@ -396,7 +404,7 @@ LanguageRouter::Snapshot LanguageRouter::Take() const {
       info[i] = e.replica->info_state_;
       info_error[i] = e.replica->info_error_;
       e.fingerprint = e.replica->fingerprint_;
-      e.load = std::max(e.replica->inflight_.load(), e.replica->reported_load_);
+      e.load = e.replica->inflight_.load() + e.replica->others_load_;
     }
     if (e.state.status == BackendStatus::kServing && info[i] == LanguageReplica::InfoState::kOk) {
       ++votes[e.fingerprint];

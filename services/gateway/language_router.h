@@ -167,9 +167,13 @@ class LanguageReplica {
   InfoState info_state_ ABSL_GUARDED_BY(mu_) = InfoState::kUnknown;
   std::string fingerprint_ ABSL_GUARDED_BY(mu_);
   std::string info_error_ ABSL_GUARDED_BY(mu_);
-  int reported_load_ ABSL_GUARDED_BY(mu_) = 0;  // running + waiting at the last poll
+  // Sequences of other clients (other gateways): running + waiting at the
+  // last poll minus this gateway's calls then. A replica's load is this plus
+  // this gateway's calls now, so a call that ends counts at once.
+  int others_load_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool kicked_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* call_ ABSL_GUARDED_BY(mu_) = nullptr;  // the poll in flight
   absl::CondVar cv_;
   std::unique_ptr<HealthWatch> watch_;
   std::thread poller_;
