@@ -28,6 +28,7 @@
 #   VLM_SKIP_APT=1    do not install missing tools; name them and stop
 #   BUILDAH_ISOLATION default chroot (works without user namespaces or a runtime)
 set -euo pipefail
+trap 'echo "build_images: failed (line $LINENO): $BASH_COMMAND" >&2' ERR
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${VLM_IMAGE_CACHE:-${HOME:-/root}/.cache/vlm/images}"
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
@@ -175,7 +176,7 @@ trap 'rm -rf "$context"' EXIT
 commit="$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
 if [[ "$commit" != unknown ]]; then
   git -C "$ROOT" ls-files -z --cached --others --exclude-standard |
-    tar --null --files-from=- --ignore-failed-read -C "$ROOT" -cf - 2>/dev/null | tar -C "$context" -xf -
+    tar -C "$ROOT" --null --ignore-failed-read -cf - --files-from=- | tar -C "$context" -xf -
 else
   cp -a "$ROOT/." "$context/"
 fi
