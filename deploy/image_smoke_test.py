@@ -101,23 +101,25 @@ class Container:
         for k, val in env.items():
             argv += ["--env", f"{k}={val}"]
         self.proc = v.Process(name, argv + [image, *args], workdir)
-        self.lines = []
+        self.out = ""
 
     def wait_line(self, pattern, timeout):
+        """Reads the container's stdout (the raw pipe: lines may arrive together)
+        until a line matches `pattern`."""
         p = self.proc.proc
+        fd = p.stdout.fileno()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in self.lines:
-                m = re.search(pattern, line)
-                if m:
-                    return m
+            m = re.search(pattern, self.out)
+            if m:
+                return m
             if p.poll() is not None:
                 raise SystemExit(f"{self.name} exited with {p.returncode}:\n{self.proc.tail()}")
-            ready, _, _ = select.select([p.stdout], [], [], 0.2)
+            ready, _, _ = select.select([fd], [], [], 0.2)
             if ready:
-                self.lines.append(p.stdout.readline())
+                self.out += os.read(fd, 65536).decode(errors="replace")
         raise SystemExit(f"{self.name}: no line /{pattern}/ in {timeout} s:\n"
-                         f"{''.join(self.lines)}{self.proc.tail()}")
+                         f"{self.out}{self.proc.tail()}")
 
     def exec(self, *cmd):
         return podman(*self.glob_opts, "exec", self.name, *cmd, check=False)
@@ -203,8 +205,7 @@ def main():
 
             for t, c in zip(TARGETS, containers):
                 info = json.loads(podman("image", "inspect", images[t]).stdout)[0]
-                hc = (info.get("Config", {}).get("Healthcheck") or
-                      info.get("HealthCheck") or {}).get("Test") or []
+                hc = (info.get("Healthcheck") or {}).get("Test") or []
                 if hc[:1] != ["CMD"] or not hc[1:2] or "vlm-health-probe" not in hc[1]:
                     raise SystemExit(f"{images[t]}: HEALTHCHECK {hc}, want CMD vlm-health-probe")
                 deadline = time.monotonic() + 300

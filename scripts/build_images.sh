@@ -188,10 +188,14 @@ for target in "${TARGETS[@]}"; do
   nice -n 10 buildah bud --layers --pull=never --format docker \
     --file "$ROOT/deploy/Dockerfile" --ignorefile "$ROOT/deploy/Dockerfile.dockerignore" \
     --build-arg BUILD_IMAGE="$BASE" --build-arg RUNTIME_IMAGE="$SLIM" \
-    --label "org.opencontainers.image.version=$VERSION" \
-    --label "org.opencontainers.image.revision=$commit" \
     "${volumes[@]}" --target "$target" --tag "$tag" "$context" >"$CACHE/bud-$target.log" 2>&1 \
     || { tail -n 40 "$CACHE/bud-$target.log" >&2; die "buildah bud --target $target failed; see $CACHE/bud-$target.log"; }
+  # Labels after the build: buildah 1.28 reuses a cached final image whatever its
+  # --label values, so a rebuild at another commit would keep the old ones.
+  c="$(buildah from --quiet --pull=never "$tag")"
+  buildah config --label "org.opencontainers.image.version=$VERSION" \
+    --label "org.opencontainers.image.revision=$commit" "$c"
+  buildah commit --quiet --rm "$c" "$tag" >/dev/null
   seconds[$target]=$(($(date +%s) - t0))
 done
 
