@@ -188,14 +188,15 @@ for target in "${TARGETS[@]}"; do
   nice -n 10 buildah bud --layers --pull=never --format docker \
     --file "$ROOT/deploy/Dockerfile" --ignorefile "$ROOT/deploy/Dockerfile.dockerignore" \
     --build-arg BUILD_IMAGE="$BASE" --build-arg RUNTIME_IMAGE="$SLIM" \
-    "${volumes[@]}" --target "$target" --tag "$tag" "$context" >"$CACHE/bud-$target.log" 2>&1 \
+    "${volumes[@]}" --target "$target" --tag "$tag" "$context" 2>&1 |
+    while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done >"$CACHE/bud-$target.log" \
     || { tail -n 40 "$CACHE/bud-$target.log" >&2; die "buildah bud --target $target failed; see $CACHE/bud-$target.log"; }
   # Labels after the build: buildah 1.28 reuses a cached final image whatever its
   # --label values, so a rebuild at another commit would keep the old ones.
   c="$(buildah from --quiet --pull=never "$tag")"
   buildah config --label "org.opencontainers.image.version=$VERSION" \
     --label "org.opencontainers.image.revision=$commit" "$c"
-  buildah commit --quiet --rm "$c" "$tag" >/dev/null
+  buildah commit --quiet --rm --format docker "$c" "$tag" >/dev/null  # docker: keeps HEALTHCHECK
   seconds[$target]=$(($(date +%s) - t0))
 done
 
@@ -211,6 +212,19 @@ if [[ -n "$save_dir" ]]; then
   done
 fi
 
+# Steps of the builds that took 5 s or more (from the time-stamped logs).
+step_times() {
+  awk 'function secs(t) { split(t, a, ":"); return a[1] * 3600 + a[2] * 60 + a[3] }
+       / STEP [0-9]+\/[0-9]+: | COMMIT / { if (name != "" && secs($1) - t0 >= 5) printf "    %4d s  %s\n", secs($1) - t0, name
+                                     t0 = secs($1); name = substr($0, 10, 90) }
+       END { }' "$1"
+}
+for target in "${TARGETS[@]}"; do
+  if ((seconds[$target] >= 5)); then
+    echo "bud --target $target, steps of 5 s or more:"
+    step_times "$CACHE/bud-$target.log"
+  fi
+done
 echo "images (version $VERSION, storage driver $driver, $(($(date +%s) - started)) s in all):"
 for target in "${TARGETS[@]}"; do
   tag="localhost/vlm-$target:$VERSION"
