@@ -9,7 +9,8 @@
 #                  for `skopeo copy oci-archive:... docker://REGISTRY/...` or
 #                  `kind load image-archive` (k8s/README.md)
 #   --fresh-base   debootstrap the base again instead of reusing the cached one
-#   --no-ccache    compile without the host's ccache (a fully cold build)
+#   --no-ccache    a cold build: no host ccache, and the first target without buildah's
+#                  layer cache (packages installed and the project compiled again)
 #
 # Steps: (1) `debootstrap --variant=minbase bookworm` into a tarball cached in
 # $VLM_IMAGE_CACHE (reused when present), imported as localhost/vlm-base:bookworm
@@ -45,7 +46,7 @@ while (($#)); do
     --save) save_dir="${2:?--save needs a directory}"; shift 2 ;;
     --fresh-base) fresh_base=1; shift ;;
     --no-ccache) use_ccache=0; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     *) echo "build_images: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -181,6 +182,8 @@ else
   cp -a "$ROOT/." "$context/"
 fi
 declare -A seconds=()
+no_cache=()
+((use_ccache)) || no_cache=(--no-cache)
 for target in "${TARGETS[@]}"; do
   t0=$(date +%s)
   tag="localhost/vlm-$target:$VERSION"
@@ -188,7 +191,7 @@ for target in "${TARGETS[@]}"; do
   nice -n 10 buildah bud --layers --pull=never --format docker \
     --file "$ROOT/deploy/Dockerfile" --ignorefile "$ROOT/deploy/Dockerfile.dockerignore" \
     --build-arg BUILD_IMAGE="$BASE" --build-arg RUNTIME_IMAGE="$SLIM" \
-    "${volumes[@]}" --target "$target" --tag "$tag" "$context" 2>&1 |
+    "${volumes[@]}" "${no_cache[@]}" --target "$target" --tag "$tag" "$context" 2>&1 |
     while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done >"$CACHE/bud-$target.log" \
     || { tail -n 40 "$CACHE/bud-$target.log" >&2; die "buildah bud --target $target failed; see $CACHE/bud-$target.log"; }
   # Labels after the build: buildah 1.28 reuses a cached final image whatever its
@@ -198,6 +201,7 @@ for target in "${TARGETS[@]}"; do
     --label "org.opencontainers.image.revision=$commit" "$c"
   buildah commit --quiet --rm --format docker "$c" "$tag" >/dev/null  # docker: keeps HEALTHCHECK
   seconds[$target]=$(($(date +%s) - t0))
+  no_cache=()  # the other targets reuse the stages just built
 done
 
 # --- (3) archives and the closing note ------------------------------------------
