@@ -224,10 +224,8 @@ step_times() {
        END { }' "$1"
 }
 for target in "${TARGETS[@]}"; do
-  if ((seconds[$target] >= 5)); then
-    echo "bud --target $target, steps of 5 s or more:"
-    step_times "$CACHE/bud-$target.log"
-  fi
+  slow="$(step_times "$CACHE/bud-$target.log")"
+  [[ -z "$slow" ]] || printf 'bud --target %s, steps of 5 s or more:\n%s\n' "$target" "$slow"
 done
 echo "images (version $VERSION, storage driver $driver, $(($(date +%s) - started)) s in all):"
 for target in "${TARGETS[@]}"; do
