@@ -47,17 +47,12 @@ esac
 
 need_install() {
   local missing=()
-  if [[ "$PROFILE" == build ]]; then
-    for p in "${PACKAGES[@]}"; do
-      dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-    done
-    printf '%s\n' "${missing[@]}"
-    return
-  fi
   # node/npm may come from another source (e.g. nodesource bundles npm in nodejs);
   # only ask Debian for them when the commands are absent.
-  command -v node >/dev/null 2>&1 || missing+=(nodejs)
-  command -v npm >/dev/null 2>&1 || missing+=(npm)
+  if [[ "$PROFILE" != build ]]; then
+    command -v node >/dev/null 2>&1 || missing+=(nodejs)
+    command -v npm >/dev/null 2>&1 || missing+=(npm)
+  fi
   for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
