@@ -326,15 +326,18 @@ def check_overlay(name, docs):
                   and vol["spec"].get("storageClassName") == claim["spec"].get("storageClassName"),
                   f"{where} model claim bound to a hostPath PersistentVolume of its class")
 
-    # Images: dev uses local :dev tags; prod a registry and a pinned tag.
+    # Images: dev uses what scripts/build_images.sh tags (localhost/vlm-<service>:<version>,
+    # loaded with `kind load image-archive`); prod a registry, tagged with the same version.
+    with open(os.path.join(ROOT, "common", "CMakeLists.txt")) as f:
+        version = re.search(r'^set\(VLM_VERSION "([^"]+)"\)', f.read(), re.M).group(1)
     for comp, (_, _, _, c) in pods.items():
         image = c["image"]
         if name == "dev":
-            check(image == f"vlm-{comp}:dev", f"{where} {comp} image {image} is vlm-{comp}:dev")
+            want = f"localhost/vlm-{comp}:{version}"
+            check(image == want, f"{where} {comp} image {image} is {want}")
         else:
-            check("/" in image and ":" in image.rsplit("/", 1)[1]
-                  and not image.endswith(":latest"),
-                  f"{where} {comp} image {image} is a registry image with a pinned tag")
+            check("/" in image and image.rsplit("/", 1)[1].endswith(f":{version}"),
+                  f"{where} {comp} image {image} is a registry image tagged {version}")
     return pods
 
 
