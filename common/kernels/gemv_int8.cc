@@ -205,8 +205,6 @@ struct Output {
   void* y = nullptr;
   bool bf16 = false;
   int64_t n = 0;
-  bool prefetch_l1 = false;     // GemvInt8Options::prefetch_l1
-  bool row_pair_order = false;  // GemvInt8Options::row_pair_order
   void Store(int64_t b, int64_t row, float v) const {
     if (bf16) static_cast<c10::BFloat16*>(y)[b * n + row] = c10::BFloat16(v);
     else static_cast<float*>(y)[b * n + row] = v;
@@ -257,13 +255,10 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
 // what the tile reads (a fixed 2 KiB lands inside the tile for R = 2 at
 // K = 2048: the row below, already being read). Into L2 rather than L1: an
 // L1 prefetch holds one of the core's few L1 miss buffers for a whole DRAM
-// round trip, so L1 prefetches throttled the stream below what the L2
-// prefetchers reach without them. vlm-bench-gemv-int8, one 2B decode step,
-// Zen 4, 2 threads, time / read-bandwidth bound: B = 1 1.33-2.15x -> 1.11-1.15x,
-// B = 2 1.72-1.76x -> 1.22x, B = 8 2.88-3.00x -> 2.37x. Leads of 512 B to
-// 16 KiB, T2 instead of T1, and no prefetch at all measured level or worse.
-// GemvInt8Options::prefetch_l1 keeps the previous prefetch (into L1, 2 KiB
-// ahead of each row) so the benchmark runs both.
+// round trip, so L1 prefetches throttle the stream below what the L2
+// prefetchers reach without them (vlm-bench-gemv-int8 on Zen 4: closer to the
+// read-bandwidth bound at every batch size; leads of 512 B to 16 KiB, T2
+// instead of T1 and no prefetch at all were level or worse).
 constexpr int64_t kPrefetchLead = 2048;
 
 // kPrefill: the weight tile comes from L2 (no prefetch along the row) and
@@ -275,8 +270,7 @@ VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Quan
                               int64_t r0, const Output& out) {
   constexpr int A = R * NB >= 2 ? 1 : 2;  // partial sums per (row, batch row) and part
   const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
-  const bool l1 = out.prefetch_l1;
-  const int64_t ahead = l1 ? kPrefetchLead : (R - 1) * kp + kPrefetchLead;
+  const int64_t ahead = (R - 1) * kp + kPrefetchLead;
   const int8_t* xh = x.hi.data() + b0 * kp;
   const int8_t* xl = x.lo.data() + b0 * kp;
   const int32_t* bias = x.bias.data() + b0 * groups;
@@ -296,9 +290,7 @@ VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Quan
       for (int r = 0; r < R; ++r) {
         const uint8_t* wp = w.row(r0 + r) + s + j * 64;
         if (!kPrefill) {
-          const char* p = reinterpret_cast<const char*>(wp + ahead);
-          if (l1) _mm_prefetch(p, _MM_HINT_T0);
-          else _mm_prefetch(p, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
         }
         wv[r] = _mm512_loadu_si512(wp);  // rows are 32-byte aligned only
       }
@@ -379,15 +371,11 @@ VLM_TARGET_AVX512_VNNI void TileVnniAnyNB(const QuantizedX& x, int64_t b0, int64
 // batch rows 0-3 from DRAM with the prefetch, then rows 4.. from L2, so the
 // hi/lo parts of one group of 4 batch rows stay in L1 through each pass
 // instead of all 8 cycling through it for every row pair. Same tiles, same
-// results. vlm-bench-gemv-int8 --batches 1,6,8 --layers 8 (one decode step of
-// 8 layers + the LM head), Zen 4, 2 threads, medians of 5, two runs: B = 6
-// 51.8 -> 49.2 and 51.7 -> 49.5 ms, B = 8 74.0 -> 60.5 and 63.7 -> 60.2 ms.
-// GemvInt8Options::row_pair_order keeps the previous order (each row pair
-// serving all batch rows in turn).
+// results.
 VLM_TARGET_AVX512_VNNI void RowsVnni(const QuantizedX& x, const QuantizedWeight& w, const Output& out,
                               int64_t r0, int64_t r1) {
   int64_t r = r0;
-  if (x.batch > 4 && !out.row_pair_order) {
+  if (x.batch > 4) {
     for (; r + 2 <= r1; r += 2) TileVnni<2, 4>(x, 0, w, r, out);
     for (; r < r1; ++r) TileVnni<1, 4>(x, 0, w, r, out);
     for (int64_t b0 = 4; b0 < x.batch; b0 += 4) {
@@ -525,8 +513,7 @@ absl::Status GemvInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor*
     } else {
       QuantizeX(x, w.k_padded(), vnni, options.threads, &qx);
     }
-    Output out{y->data_ptr(), y->scalar_type() == at::kBFloat16, n, options.prefetch_l1,
-               options.row_pair_order};
+    Output out{y->data_ptr(), y->scalar_type() == at::kBFloat16, n};
     // Blocks of rows_per_task rows (a multiple of 32: threads never share an
     // output cache line).
     const bool prefill = batch > kDecodeBatch;
