@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
+#include "common/kernels/path_override.h"
 #include "common/kernels/simd.h"
 
 namespace vlm::kernels {
@@ -308,23 +309,9 @@ bool GemmF32PathSupported(GemmF32Path path, std::string* missing) {
 }
 
 GemmF32Path DefaultGemmF32Path() {
-  static const GemmF32Path path = [] {
-    const char* env = std::getenv("VLM_GEMM_F32_PATH");
-    if (env == nullptr || *env == '\0') return BestPath();
-    absl::StatusOr<GemmF32Path> p = ParseGemmF32Path(env);
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_GEMM_F32_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return BestPath();
-    }
-    std::string missing;
-    if (!GemmF32PathSupported(*p, &missing)) {
-      std::fprintf(stderr, "VLM_GEMM_F32_PATH=%s ignored: this CPU lacks %s\n", env,
-                   missing.c_str());
-      return BestPath();
-    }
-    return *p;
-  }();
+  static const GemmF32Path path = internal::PathFromEnvironment(
+      "VLM_GEMM_F32_PATH", BestPath(), ParseGemmF32Path,
+      [](GemmF32Path p, std::string* missing) { return GemmF32PathSupported(p, missing); });
   return path;
 }
 

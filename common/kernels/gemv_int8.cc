@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
+#include "common/kernels/path_override.h"
 #include "common/kernels/simd.h"
 
 namespace vlm::kernels {
@@ -454,23 +455,9 @@ bool GemvInt8PathSupported(GemvInt8Path path, std::string* missing) {
 }
 
 GemvInt8Path DefaultGemvInt8Path() {
-  static const GemvInt8Path path = [] {
-    const char* env = std::getenv("VLM_GEMV_INT8_PATH");
-    if (env == nullptr || *env == '\0') return BestPath();
-    absl::StatusOr<GemvInt8Path> p = ParseGemvInt8Path(env);
-    std::string missing;
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_GEMV_INT8_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return BestPath();
-    }
-    if (!GemvInt8PathSupported(*p, &missing)) {
-      std::fprintf(stderr, "VLM_GEMV_INT8_PATH=%s ignored: this CPU lacks %s\n", env,
-                   missing.c_str());
-      return BestPath();
-    }
-    return *p;
-  }();
+  static const GemvInt8Path path = internal::PathFromEnvironment(
+      "VLM_GEMV_INT8_PATH", BestPath(), ParseGemvInt8Path,
+      [](GemvInt8Path p, std::string* missing) { return GemvInt8PathSupported(p, missing); });
   return path;
 }
 

@@ -15,6 +15,7 @@
 #include "common/cpu_features.h"
 #include "common/kernels/simd_math.h"
 #include "common/kernels/thread_pool.h"
+#include "common/kernels/path_override.h"
 #include "common/kernels/simd.h"
 
 namespace vlm {
@@ -377,22 +378,12 @@ bool AttentionPathSupported(AttentionPath path) {
 }
 
 AttentionPath DefaultAttentionPath() {
-  static const AttentionPath path = [] {
-    const AttentionPath best = *ParseAttentionPath("auto");
-    const char* env = std::getenv("VLM_ATTENTION_PATH");
-    if (env == nullptr || *env == '\0') return best;
-    absl::StatusOr<AttentionPath> p = ParseAttentionPath(env);
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_ATTENTION_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return best;
-    }
-    if (!AttentionPathSupported(*p)) {
-      std::fprintf(stderr, "VLM_ATTENTION_PATH=%s ignored: this CPU lacks AVX-512\n", env);
-      return best;
-    }
-    return *p;
-  }();
+  static const AttentionPath path = kernels::internal::PathFromEnvironment(
+      "VLM_ATTENTION_PATH", *ParseAttentionPath("auto"), ParseAttentionPath,
+      [](AttentionPath p, std::string* missing) {
+        if (!AttentionPathSupported(p)) *missing = "AVX-512 F/BW/VL/DQ";
+        return AttentionPathSupported(p);
+      });
   return path;
 }
 
