@@ -76,7 +76,7 @@ __attribute__((target("avx512f"), noinline)) void FmaLoop(int64_t iters) {
 constexpr int64_t kPeakIters = 20'000'000;
 constexpr double kPeakFlops = static_cast<double>(kPeakIters) * 12 * 16 * 2;
 
-// The previous f32 RowLinear: at::linear with at least 8 rows and M·N·K >= 2^18
+// at::linear padded as RowLinear pads bf16 calls: at least 8 rows and M·N·K >= 2^18
 // (zero rows appended below x).
 int64_t MinRows(const at::Tensor& w) {
   return std::max<int64_t>(8, ((int64_t{1} << 18) + w.numel() - 1) / w.numel());

@@ -330,14 +330,8 @@ uint64_t DecodeWeightBytes(const std::string& dir, bool int8 = false, bool int8_
 
 // Read bandwidth with `threads` threads over a fresh buffer: best of 3 passes.
 double ReadBandwidth(int threads) {
-  const size_t bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bandwidth_mib)) << 20;
-  std::vector<uint64_t> buffer(bytes / 8);
-  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i;
-  double best = 0;
-  for (int i = 0; i < 3; ++i) {
-    best = std::max(best, vlm::MeasureReadBandwidth(buffer.data(), bytes, threads));
-  }
-  return best;
+  return vlm::BestReadBandwidth(static_cast<size_t>(absl::GetFlag(FLAGS_bandwidth_mib)) << 20,
+                                threads);
 }
 
 struct Column {
