@@ -4,7 +4,7 @@ Reads DIR/<bench>_<old|new>_<round>.txt, the stdout of vlm-bench-language and
 vlm-bench-serving, finds their markdown tables and prints, for every numeric
 cell, the median over the rounds of old and of new and new / old. A row of a
 table is named by its text columns (metric, config) and its count columns
-(streams, turn); every other column is a figure. A cell's figure is its first
+(streams, turn), e.g. "config engine, streams 2"; every other column is a figure. A cell's figure is its first
 number ("12.3 ms" -> 12.3, "1.02x (0.98 1.05)" -> 1.02); cells without one
 ("-") are skipped.
 
@@ -39,7 +39,8 @@ def figures(text):
             i += 2
             while i < len(lines) and lines[i].startswith("|"):
                 row = cells(lines[i])
-                key = " / ".join(c for h, c in zip(header, row) if h in KEY_COLUMNS)
+                key = ", ".join(c if h == "metric" else f"{h} {c}"
+                                for h, c in zip(header, row) if h in KEY_COLUMNS)
                 for h, c in zip(header, row):
                     if h in KEY_COLUMNS:
                         continue
