@@ -16,8 +16,9 @@
 #   --serving_args "..."    extra vlm-bench-serving arguments (space-separated)
 #   --only language|serving run one of the two benchmarks
 #   --work DIR              where worktrees, builds and outputs go (default: a new
-#                           directory under ${TMPDIR:-/tmp}); kept afterwards only
-#                           with --keep
+#                           directory under ${TMPDIR:-/tmp}, removed at the end
+#                           unless --keep; of a given DIR only what the script
+#                           made is removed)
 #   --keep                  keep the work directory (raw outputs: DIR/out/)
 #   --quick                 one short configuration, to check the script works:
 #                           language --runs 1 --starts 1 --paired_decode_rounds 1
@@ -50,7 +51,7 @@ while [[ $# -gt 0 ]]; do
     --work) WORK="$2"; shift 2 ;;
     --keep) KEEP=1; shift ;;
     --quick) QUICK=1; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     --) shift; break ;;
     -*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
@@ -68,8 +69,10 @@ case "$ONLY" in ""|language|serving) ;; *) echo "--only takes language or servin
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OLD_SHA="$(git -C "$REPO" rev-parse --verify "$OLD_REF^{commit}")"
 NEW_SHA="$(git -C "$REPO" rev-parse --verify "$NEW_REF^{commit}")"
+CREATED_WORK=0
 if [[ -z "$WORK" ]]; then
   WORK="$(mktemp -d "${TMPDIR:-/tmp}/vlm-compare.XXXXXX")"
+  CREATED_WORK=1
 fi
 mkdir -p "$WORK/out"
 WORK="$(cd "$WORK" && pwd)"
@@ -81,7 +84,13 @@ cleanup() {
     fi
   done
   git -C "$REPO" worktree prune >/dev/null 2>&1 || true
-  if [[ "$KEEP" == 0 ]]; then rm -rf "$WORK"; else echo "work directory kept: $WORK" >&2; fi
+  if [[ "$KEEP" == 1 ]]; then
+    echo "work directory kept: $WORK" >&2
+  elif [[ "$CREATED_WORK" == 1 ]]; then
+    rm -rf "$WORK"
+  else  # a --work directory given: remove only what this script put there
+    rm -rf "$WORK/out" "$WORK/tiny_checkpoint"
+  fi
 }
 trap cleanup EXIT
 
