@@ -25,6 +25,7 @@
 #include "common/metrics.h"
 #include "common/model_fingerprint.h"
 #include "common/tensor_codec.h"
+#include "common/time_util.h"
 #include "services/language/sampling/stop_strings.h"
 #include "services/language/text/utf8.h"
 
@@ -33,10 +34,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kLog[] = "language";
-
-double MillisBetween(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
 
 bool DeadlinePassed(const grpc::ServerContext* context) {
   return std::chrono::system_clock::now() > context->deadline();
