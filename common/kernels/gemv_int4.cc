@@ -30,8 +30,8 @@ constexpr int64_t kGroup = kInt4Group;
 constexpr int64_t kBlock = kInt4Block;
 static_assert(kInt4Group == kInt8Group && kInt4Block == kInt8Block,
               "activations use the int8 weights' stored order (quantize.h StoredIndex)");
-// |xq| ≤ 32639 = 127·256 + 127, so xq = 256·hi + lo with hi, lo both int8.
-constexpr float kXLimit = 32639.0f;
+// Activations in int8: |xq| ≤ 127, VPDPBUSD's signed operand.
+constexpr float kXLimit = 127.0f;
 
 // Storage for T that only grows, 64-byte aligned; contents unspecified after resize.
 template <typename T>
@@ -56,17 +56,17 @@ class AlignedBuffer {
   int64_t capacity_ = 0;
 };
 
-// x quantized per group of 32: q [B][k_padded] int16 natural order (zero
-// past K), d [B][groups], sums [B][groups] = Σ_group q; hi, lo [B][k_padded]
-// int8 (xq = 256·hi + lo) in the int8 weights' stored order (StoredIndex:
-// chunk 2c of a block pairs with the low nibbles of the int4 chunk c, chunk
-// 2c + 1 with the high ones; tail groups natural).
+// x quantized per group of 32: q [B][k_padded] natural order (zero past K),
+// d [B][groups], sums [B][groups] = Σ_group q; x8 [B][k_padded] the same q
+// in the int8 weights' stored order (StoredIndex: chunk 2c of a block pairs
+// with the low nibbles of the int4 chunk c, chunk 2c + 1 with the high ones;
+// tail groups natural).
 struct QuantizedX {
   int64_t batch = 0, k_padded = 0, groups = 0;
-  AlignedBuffer<int16_t> q;
+  AlignedBuffer<int8_t> q;
   AlignedBuffer<float> d;
   AlignedBuffer<int32_t> sums;
-  AlignedBuffer<int8_t> hi, lo;
+  AlignedBuffer<int8_t> x8;
 
   void Resize(int64_t b, int64_t kp) {
     batch = b;
@@ -75,23 +75,27 @@ struct QuantizedX {
     q.resize(b * kp);
     d.resize(b * groups);
     sums.resize(b * groups);
-    hi.resize(b * kp);
-    lo.resize(b * kp);
+    x8.resize(b * kp);
   }
 };
 
 float ToF32(const float* p, int64_t i) { return p[i]; }
 float ToF32(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
 
-float HalfToFloat(uint16_t bits) {
+// Helpers the vector kernels call per row are inlined into them (compiled
+// for their target): a call into generic SSE code from AVX-512 code with
+// zmm16-31 in use runs it with a dirty upper state, many times slower.
+#define VLM_INLINE __attribute__((always_inline)) inline
+
+VLM_INLINE float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// As GemvInt8's: d = max|x| / 32639, q = round-to-nearest-even(x·(1/d))
-// clamped, then the split into hi/lo at the stored positions and the sums.
+// d = max|x| / 127, q = round-to-nearest-even(x·(1/d)) clamped to ±127,
+// also written to its stored position, and the sums.
 template <typename T>
-void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int16_t* q, float* d, int32_t* sums,
-                       int8_t* hi, int8_t* lo) {
+void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int8_t* q, float* d, int32_t* sums,
+                       int8_t* x8) {
   for (int64_t g = 0; g < kp / kGroup; ++g) {
     const int64_t k0 = g * kGroup, k1 = std::min(k, k0 + kGroup);
     float amax = 0;
@@ -100,23 +104,20 @@ void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int16_t* q, float* d
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     int32_t sum = 0;
     for (int64_t i = k0; i < k0 + kGroup; ++i) {
-      const int16_t v =
-          i < k1 ? static_cast<int16_t>(
+      const int8_t v =
+          i < k1 ? static_cast<int8_t>(
                        std::clamp(std::nearbyint(ToF32(src, i) * inv), -kXLimit, kXLimit))
-                 : int16_t{0};
+                 : int8_t{0};
       q[i] = v;
       sum += v;
-      const int8_t l = static_cast<int8_t>(static_cast<uint8_t>(v & 0xFF));
-      const int64_t at = StoredIndex(i, kp);
-      lo[at] = l;
-      hi[at] = static_cast<int8_t>((v - l) / 256);
+      x8[StoredIndex(i, kp)] = v;
     }
     d[g] = scale;
     sums[g] = sum;
   }
 }
 
-#define VLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define VLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define VLM_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 VLM_TARGET_VNNI inline __m512 Load16(const float* src, int64_t i0, int64_t k) {
@@ -132,19 +133,18 @@ VLM_TARGET_VNNI inline __m512 Load16(const c10::BFloat16* src, int64_t i0, int64
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// round(v·inv) clamped to ±32639 as int16 (VCVTPS2DQ rounds to nearest even,
+// round(v·inv) clamped to ±127 as int8 (VCVTPS2DQ rounds to nearest even,
 // as std::nearbyint does in the default mode).
-VLM_TARGET_VNNI inline __m256i Quantize16(__m512 v, __m512 inv) {
+VLM_TARGET_VNNI inline __m128i Quantize16(__m512 v, __m512 inv) {
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-  return _mm512_cvtepi32_epi16(
-      _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(32639)), _mm512_set1_epi32(-32639)));
+  return _mm512_cvtepi32_epi8(
+      _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127)));
 }
 
 // QuantizeRowScalar with AVX-512: the same f32 operations, the same bytes.
 template <typename T>
-VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int16_t* q, float* d,
-                                     int32_t* sums, int8_t* hi, int8_t* lo) {
-  const __m512i ones = _mm512_set1_epi16(1);
+VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
+                                     int32_t* sums, int8_t* x8) {
   const __m256i quad_slots = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
   const int64_t full_groups = kp / kBlock * kBlock / kGroup;
   for (int64_t g = 0; g < kp / kGroup; ++g) {
@@ -153,21 +153,16 @@ VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int16_
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(vlo), _mm512_abs_ps(vhi)));
     const float scale = amax / kXLimit;
     const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
-    const __m512i xq =
-        _mm512_inserti64x4(_mm512_castsi256_si512(Quantize16(vlo, inv)), Quantize16(vhi, inv), 1);
-    _mm512_storeu_si512(q + k0, xq);
+    const __m256i xq = _mm256_inserti128_si256(_mm256_castsi128_si256(Quantize16(vlo, inv)),
+                                               Quantize16(vhi, inv), 1);  // 32 int8
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k0), xq);
     d[g] = scale;
-    sums[g] = _mm512_reduce_add_epi32(_mm512_madd_epi16(xq, ones));
-    const __m512i lo16 = _mm512_srai_epi16(_mm512_slli_epi16(xq, 8), 8);
-    const __m256i lo8 = _mm512_cvtepi16_epi8(lo16);
-    const __m256i hi8 = _mm512_cvtepi16_epi8(_mm512_srai_epi16(_mm512_sub_epi16(xq, lo16), 8));
+    sums[g] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(xq))) +
+              _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(xq, 1)));
     if (g < full_groups) {
-      const int64_t base = g / 16 * kBlock + 4 * (g % 16);
-      _mm256_i32scatter_epi32(lo + base, quad_slots, lo8, 4);
-      _mm256_i32scatter_epi32(hi + base, quad_slots, hi8, 4);
+      _mm256_i32scatter_epi32(x8 + g / 16 * kBlock + 4 * (g % 16), quad_slots, xq, 4);
     } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + k0), lo8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + k0), hi8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x8 + k0), xq);
     }
   }
 }
@@ -179,12 +174,10 @@ void QuantizeRows(const T* src, int64_t ld, int64_t k, bool vnni, int64_t b0, in
   for (int64_t b = b0; b < b1; ++b) {
     if (vnni) {
       QuantizeRowVnni(src + b * ld, k, kp, out->q.data() + b * kp, out->d.data() + b * groups,
-                      out->sums.data() + b * groups, out->hi.data() + b * kp,
-                      out->lo.data() + b * kp);
+                      out->sums.data() + b * groups, out->x8.data() + b * kp);
     } else {
       QuantizeRowScalar(src + b * ld, k, kp, out->q.data() + b * kp, out->d.data() + b * groups,
-                        out->sums.data() + b * groups, out->hi.data() + b * kp,
-                        out->lo.data() + b * kp);
+                        out->sums.data() + b * groups, out->x8.data() + b * kp);
     }
   }
 }
@@ -213,7 +206,7 @@ struct Output {
   void* y = nullptr;
   bool bf16 = false;
   int64_t n = 0;
-  void Store(int64_t b, int64_t row, float v) const {
+  VLM_INLINE void Store(int64_t b, int64_t row, float v) const {
     if (bf16) static_cast<c10::BFloat16*>(y)[b * n + row] = c10::BFloat16(v);
     else static_cast<float*>(y)[b * n + row] = v;
   }
@@ -221,7 +214,7 @@ struct Output {
 
 // Exact Σ (u - z)·q over group g of row r (natural order, for tail groups
 // and the scalar path).
-int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int16_t* xq) {
+VLM_INLINE int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int8_t* xq) {
   const int z = w.zero(r, g);
   int32_t isum = 0;
   for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
@@ -230,22 +223,33 @@ int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int16_t* xq) {
   return isum;
 }
 
-// The f32 part shared by every path: the 16 lane sums of the full blocks by
-// a fixed tree, then the tail groups (one FMA each, in order), then the row
-// scale.
-float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int64_t b, const float lanes[16]) {
+// The 16 lane sums of the full blocks by a fixed tree: lane i + lane i + 8,
+// then + 4, + 2, + 1 (the vector paths do the same adds on register halves).
+VLM_INLINE float ReduceLanes(const float lanes[16]) {
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = lanes[i] + lanes[i + 8];
   for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
   for (int i = 0; i < 2; ++i) t[i] += t[i + 2];
-  float sum = t[0] + t[1];
+  return t[0] + t[1];
+}
+
+// The f32 part shared by every path after the lanes' tree (`sum`): the tail
+// groups (one FMA each, in order), then the row scale.
+VLM_INLINE float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int64_t b, float sum) {
   const int64_t full_groups = x.k_padded / kBlock * kBlock / kGroup;
-  const int16_t* xq = x.q.data() + b * x.k_padded;
+  const int8_t* xq = x.q.data() + b * x.k_padded;
   for (int64_t g = full_groups; g < x.groups; ++g) {
     const float scale = HalfToFloat(w.ratios()[r * x.groups + g]) * x.d.data()[b * x.groups + g];
     sum = std::fma(static_cast<float>(GroupSum(w, r, g, xq)), scale, sum);
   }
   return w.row_scales()[r] * sum;
+}
+
+// ReduceLanes after its first step, on a register of t[0..8).
+VLM_TARGET_AVX2 VLM_INLINE float ReduceLanes256(__m256 t8) {
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));           // t0 + t2, t1 + t3
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));          // + t1
 }
 
 // --- scalar --------------------------------------------------------------------
@@ -254,26 +258,33 @@ void RowsScalar(const QuantizedX& x, const Int4Weight& w, const Output& out, int
   const int64_t full_groups = x.k_padded / kBlock * kBlock / kGroup;
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < x.batch; ++b) {
-      const int16_t* xq = x.q.data() + b * x.k_padded;
+      const int8_t* xq = x.q.data() + b * x.k_padded;
       float lanes[16] = {};
       for (int64_t g = 0; g < full_groups; ++g) {
         const float scale = HalfToFloat(w.ratios()[r * x.groups + g]) * x.d.data()[b * x.groups + g];
         lanes[g % 16] = std::fma(static_cast<float>(GroupSum(w, r, g, xq)), scale, lanes[g % 16]);
       }
-      out.Store(b, r, Finish(w, r, x, b, lanes));
+      out.Store(b, r, Finish(w, r, x, b, ReduceLanes(lanes)));
     }
   }
 }
 
 // --- avx512vnni ------------------------------------------------------------------
+// ReduceLanes on a register: the same adds in the same order.
+VLM_TARGET_VNNI VLM_INLINE float ReduceLanes512(__m512 v) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  return ReduceLanes256(t8);
+}
+
 // Software prefetch into L2, this far past the furthest row of a tile (as GemvInt8).
 constexpr int64_t kPrefetchLead = 2048;
 
 // A tile of R weight rows × NB batch rows (NB ≤ 4). Per 64-byte chunk of a
 // row (128 weights): low nibbles (AND 0x0F) and high nibbles (shift, AND),
-// each a u8 vector whose lane l holds 4 weights of group l, VPDPBUSD with the
-// activations' hi and lo parts. Integer sums exact (|Σ u·xq| ≤ 32·15·32639),
-// so the split over the two nibble accumulators changes nothing.
+// each a u8 vector whose lane l holds 4 weights of group l, one VPDPBUSD each
+// with the int8 activations. Integer sums exact (|Σ u·xq| ≤ 32·15·127), so
+// the split over the two nibble accumulators changes nothing.
 template <int R, int NB>
 VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w, int64_t r0,
                               const Output& out) {
@@ -285,10 +296,11 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight&
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
   for (int64_t s = 0; s < full; s += kBlock) {
-    __m512i ah[R][NB][2], al[R][NB][2];
+    // Four chains per (row, batch row): the nibble halves of even and odd chunks.
+    __m512i acc[R][NB][4];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b)
-        for (int a = 0; a < 2; ++a) ah[r][b][a] = al[r][b][a] = _mm512_setzero_si512();
+        for (int a = 0; a < 4; ++a) acc[r][b][a] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       __m512i wl[R], wh[R];
@@ -302,17 +314,12 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight&
       }
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const int64_t off = (b0 + b) * kp + s + 128 * c;
-        const __m512i h0 = _mm512_loadu_si512(x.hi.data() + off);
-        const __m512i l0 = _mm512_loadu_si512(x.lo.data() + off);
-        const __m512i h1 = _mm512_loadu_si512(x.hi.data() + off + 64);
-        const __m512i l1 = _mm512_loadu_si512(x.lo.data() + off + 64);
+        const int8_t* xp = x.x8.data() + (b0 + b) * kp + s + 128 * c;
+        const __m512i x0 = _mm512_loadu_si512(xp), x1 = _mm512_loadu_si512(xp + 64);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          ah[r][b][0] = _mm512_dpbusd_epi32(ah[r][b][0], wl[r], h0);
-          al[r][b][0] = _mm512_dpbusd_epi32(al[r][b][0], wl[r], l0);
-          ah[r][b][1] = _mm512_dpbusd_epi32(ah[r][b][1], wh[r], h1);
-          al[r][b][1] = _mm512_dpbusd_epi32(al[r][b][1], wh[r], l1);
+          acc[r][b][c % 2] = _mm512_dpbusd_epi32(acc[r][b][c % 2], wl[r], x0);
+          acc[r][b][2 + c % 2] = _mm512_dpbusd_epi32(acc[r][b][2 + c % 2], wh[r], x1);
         }
       }
     }
@@ -327,10 +334,11 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight&
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
         const int64_t xb = (b0 + b) * groups + g0;
-        const __m512i h = _mm512_add_epi32(ah[r][b][0], ah[r][b][1]);
-        const __m512i l = _mm512_add_epi32(al[r][b][0], al[r][b][1]);
         const __m512i zs = _mm512_mullo_epi32(z, _mm512_loadu_si512(x.sums.data() + xb));
-        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l), zs);
+        const __m512i isum = _mm512_sub_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(acc[r][b][0], acc[r][b][1]),
+                             _mm512_add_epi32(acc[r][b][2], acc[r][b][3])),
+            zs);
         const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(x.d.data() + xb));
         facc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, facc[r][b]);
       }
@@ -338,9 +346,7 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight&
   }
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < NB; ++b) {
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, facc[r][b]);
-      out.Store(b0 + b, r0 + r, Finish(w, r0 + r, x, b0 + b, lanes));
+      out.Store(b0 + b, r0 + r, Finish(w, r0 + r, x, b0 + b, ReduceLanes512(facc[r][b])));
     }
   }
 }
@@ -373,7 +379,7 @@ VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const Int4Weight& w, const Ou
 // --- avx2 ------------------------------------------------------------------------
 // One weight row × NB batch rows (NB ≤ 2), each block in two halves of 8
 // groups (a 32-byte load: lanes 8h..8h+7 of TileVnni's chunk). Per half:
-// VPMADDUBSW (u·x pairs, |2·15·128| fits int16) and VPMADDWD with ones give
+// VPMADDUBSW (u·x pairs, |2·15·127| fits int16) and VPMADDWD with ones give
 // one int32 per group; the f32 accumulation per lane is TileVnni's.
 VLM_TARGET_AVX2 inline __m256i Load32(const int8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -391,8 +397,8 @@ VLM_TARGET_AVX2 void TileAvx2(const QuantizedX& x, int64_t b0, const Int4Weight&
   for (int64_t s = 0; s < full; s += kBlock) {
     const int64_t g0 = s / kGroup;
     for (int h = 0; h < 2; ++h) {
-      __m256i ah[NB], al[NB];
-      for (int b = 0; b < NB; ++b) ah[b] = al[b] = _mm256_setzero_si256();
+      __m256i acc[NB];
+      for (int b = 0; b < NB; ++b) acc[b] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const uint8_t* wp = wr + s / 2 + 64 * c + 32 * h;
@@ -402,12 +408,10 @@ VLM_TARGET_AVX2 void TileAvx2(const QuantizedX& x, int64_t b0, const Int4Weight&
         const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         for (int b = 0; b < NB; ++b) {
           const int64_t off = (b0 + b) * kp + s + 128 * c + 32 * h;
-          const __m256i h0 = Load32(x.hi.data() + off), l0 = Load32(x.lo.data() + off);
-          const __m256i h1 = Load32(x.hi.data() + off + 64), l1 = Load32(x.lo.data() + off + 64);
-          ah[b] = _mm256_add_epi32(ah[b], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, h0), ones));
-          al[b] = _mm256_add_epi32(al[b], _mm256_madd_epi16(_mm256_maddubs_epi16(wl, l0), ones));
-          ah[b] = _mm256_add_epi32(ah[b], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, h1), ones));
-          al[b] = _mm256_add_epi32(al[b], _mm256_madd_epi16(_mm256_maddubs_epi16(wh, l1), ones));
+          const __m256i x0 = Load32(x.x8.data() + off), x1 = Load32(x.x8.data() + off + 64);
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(wl, x0),
+                                                 _mm256_maddubs_epi16(wh, x1));  // |·| ≤ 7620
+          acc[b] = _mm256_add_epi32(acc[b], _mm256_madd_epi16(pairs, ones));
         }
       }
       const int64_t gh = g0 + 8 * h;
@@ -419,18 +423,15 @@ VLM_TARGET_AVX2 void TileAvx2(const QuantizedX& x, int64_t b0, const Int4Weight&
         const int64_t xb = (b0 + b) * groups + gh;
         const __m256i zs = _mm256_mullo_epi32(
             z, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums.data() + xb)));
-        const __m256i isum =
-            _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(ah[b], 8), al[b]), zs);
+        const __m256i isum = _mm256_sub_epi32(acc[b], zs);
         const __m256 scale = _mm256_mul_ps(ratio, _mm256_loadu_ps(x.d.data() + xb));
         facc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, facc[b][h]);
       }
     }
   }
   for (int b = 0; b < NB; ++b) {
-    alignas(32) float lanes[16];
-    _mm256_store_ps(lanes, facc[b][0]);
-    _mm256_store_ps(lanes + 8, facc[b][1]);
-    out.Store(b0 + b, row, Finish(w, row, x, b0 + b, lanes));
+    const float sum = ReduceLanes256(_mm256_add_ps(facc[b][0], facc[b][1]));
+    out.Store(b0 + b, row, Finish(w, row, x, b0 + b, sum));
   }
 }
 

@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -104,14 +105,48 @@ int main(int argc, char** argv) {
   std::printf("vlm-bench-gemv-int4: %d layers, %d reps, %d threads, CPU %s, load average %s\n",
               layers, reps, threads, CpuModel().c_str(), vlm::bench::LoadAverage().c_str());
 
+  // In-cache ceiling: one 512 x 2048 weight (0.55 MB int4) on one thread,
+  // 200 calls, B = 1: the kernels' compute rate where DRAM is not the limit.
+  {
+    const at::Tensor w = RandomBf16(512, 2048, 3), x = RandomBf16(1, 2048, 4);
+    auto q4 = k::QuantizeInt4(w);
+    auto q8 = k::QuantizeInt8(w);
+    CheckOk(q4.status(), "QuantizeInt4");
+    CheckOk(q8.status(), "QuantizeInt8");
+    at::Tensor y = at::empty({1, 512}, at::kFloat);
+    std::printf("\n### In-cache rate, 512 x 2048, B = 1, one thread (weight GB/s; DRAM-bound "
+                "decode needs only the read bandwidth)\n\n| kernel | GB/s |\n|---|---|\n");
+    for (int pass = 0; pass < 2; ++pass) {  // pass 0 warms up
+      const double t8 = Seconds([&] {
+        for (int i = 0; i < 200; ++i) CheckOk(k::GemvInt8(x, *q8, &y, {std::nullopt, 1}), "GemvInt8");
+      });
+      if (pass == 1) std::printf("| int8 | %.1f |\n", 200.0 * q8->bytes() / t8 / 1e9);
+      for (k::GemvInt4Path p : {k::GemvInt4Path::kAvx512Vnni, k::GemvInt4Path::kAvx2,
+                                k::GemvInt4Path::kScalar}) {
+        if (!k::GemvInt4PathSupported(p)) continue;
+        const int calls = p == k::GemvInt4Path::kScalar ? 5 : 200;
+        const double t4 = Seconds([&] {
+          for (int i = 0; i < calls; ++i) CheckOk(k::GemvInt4(x, *q4, &y, {p, 1}), "GemvInt4");
+        });
+        if (pass == 1) {
+          std::printf("| int4/%s | %.1f |\n", k::GemvInt4PathName(p), calls * 1.0 * q4->bytes() / t4 / 1e9);
+        }
+      }
+    }
+  }
+
   // Weights: random bf16 per matrix, quantized both ways, the bf16 dropped.
   std::vector<LayerSet> set(layers);
   int64_t bytes4 = 0, bytes8 = 0;
+  double quantize4_s = 0, quantize8_s = 0, weights = 0;
   for (int l = 0; l < layers; ++l) {
     for (const Proj& p : kProjs) {
       const at::Tensor w = RandomBf16(p.out, p.in, 100 * l + p.out);
-      auto q4 = k::QuantizeInt4(w);
-      auto q8 = k::QuantizeInt8(w);
+      absl::StatusOr<k::Int4Weight> q4;
+      absl::StatusOr<k::QuantizedWeight> q8;
+      quantize4_s += Seconds([&] { q4 = k::QuantizeInt4(w); });
+      quantize8_s += Seconds([&] { q8 = k::QuantizeInt8(w); });
+      weights += static_cast<double>(w.numel());
       CheckOk(q4.status(), "QuantizeInt4");
       CheckOk(q8.status(), "QuantizeInt8");
       bytes4 += static_cast<int64_t>(q4->bytes());
@@ -120,6 +155,8 @@ int main(int argc, char** argv) {
       set[l].w8.push_back(*std::move(q8));
     }
   }
+  std::printf("\nquantization, %d threads: int4 %.2f ns/weight, int8 %.2f ns/weight\n", threads,
+              quantize4_s / weights * 1e9, quantize8_s / weights * 1e9);
   const vlm::bench::Shape head_shape = vlm::bench::kHead;
   k::Int4Weight head4;
   k::QuantizedWeight head8;
