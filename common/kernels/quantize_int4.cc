@@ -24,6 +24,17 @@ float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+// Round to nearest, ties to even, as std::nearbyint in the default mode but
+// without a libm call per element (baseline x86-64 has no ROUNDSS): adding
+// 1.5·2^23 leaves no fraction bits, so the addition rounds; |v| ≥ 2^22 is
+// already an integer.
+inline float RoundEven(float v) {
+  constexpr float kMagic = 12582912.0f;  // 1.5·2^23
+  if (!(std::fabs(v) < 4194304.0f)) return v;
+  const float m = std::copysign(kMagic, v);  // branch-free: the sign is random
+  return (v + m) - m;
+}
+
 // One row (quantize_int4.h): u in natural order into `u` [k_padded], ratios
 // and zeros [groups], *row_scale. False if the row holds a non-finite value.
 template <typename T>
@@ -53,10 +64,10 @@ bool QuantizeRow(const T* row, int64_t k, int64_t kp, uint8_t* u, float* row_sca
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     float lo = 0;
     for (int64_t i = i0; i < i1; ++i) lo = std::min(lo, ToF32(row, i));
-    const int z = static_cast<int>(std::clamp(std::nearbyint(-lo * inv), 0.0f, 15.0f));
+    const int z = static_cast<int>(std::clamp(RoundEven(-lo * inv), 0.0f, 15.0f));
     zeros[g] = static_cast<uint8_t>(z);
     for (int64_t i = i0; i < i0 + kInt4Group; ++i) {
-      const float q = i < i1 ? std::nearbyint(ToF32(row, i) * inv) + static_cast<float>(z)
+      const float q = i < i1 ? RoundEven(ToF32(row, i) * inv) + static_cast<float>(z)
                              : static_cast<float>(z);
       u[i] = static_cast<uint8_t>(std::clamp(q, 0.0f, 15.0f));
     }
@@ -64,14 +75,24 @@ bool QuantizeRow(const T* row, int64_t k, int64_t kp, uint8_t* u, float* row_sca
   return true;
 }
 
-// Natural-order u [k_padded] -> the row's packed bytes (layout in the header).
+// Natural-order u [k_padded] -> the row's packed bytes (layout in the header;
+// Int4StoredPosition element by element, unrolled).
 void PackRow(const uint8_t* u, int64_t kp, uint8_t* dst) {
-  std::memset(dst, 0, kp / 2);
-  for (int64_t i = 0; i < kp; ++i) {
-    int64_t byte = 0;
-    bool high = false;
-    Int4StoredPosition(i, kp, &byte, &high);
-    dst[byte] |= static_cast<uint8_t>(high ? u[i] << 4 : u[i]);
+  const int64_t full = kp / kInt4Block * kInt4Block;
+  for (int64_t s = 0; s < full; s += kInt4Block) {
+    uint8_t* block = dst + s / 2;
+    for (int l = 0; l < 16; ++l) {
+      const uint8_t* g = u + s + kInt4Group * l;
+      for (int c = 0; c < 4; ++c) {
+        for (int e = 0; e < 4; ++e) {
+          block[64 * c + 4 * l + e] = static_cast<uint8_t>(g[8 * c + e] | g[8 * c + 4 + e] << 4);
+        }
+      }
+    }
+  }
+  for (int64_t g0 = full; g0 < kp; g0 += kInt4Group) {
+    uint8_t* out = dst + g0 / 2;
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<uint8_t>(u[g0 + i] | u[g0 + 16 + i] << 4);
   }
 }
 
