@@ -28,6 +28,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -65,10 +67,18 @@ ABSL_FLAG(bool, small_m, false,
           "only the decode-row kernel table: kernels::Gemm vs vlm::Gemv vs GemvInt8 at M = 1..8 "
           "on one layer's shapes (random weights from the config's sizes)");
 ABSL_FLAG(bool, fidelity, false,
-          "only int8 vs bf16 fidelity: logits cosine and greedy agreement (bf16 top-1 margin > 1) "
-          "over a random prompt and a teacher-forced bf16 greedy continuation");
+          "only quantized vs bf16 fidelity: logits cosine and greedy agreement (where the bf16 "
+          "top-1 margin > --fidelity_margin) over a random prompt and a teacher-forced bf16 "
+          "greedy continuation, one row per --fidelity_variants");
+ABSL_FLAG(std::string, fidelity_variants, "int8,int4,int4_head4,int4_head_bf16",
+          "--fidelity: forms to compare with bf16: bf16 (with --fidelity_reference), int8, int4 (LM head int8), int4_head4 (LM "
+          "head int4), int4_head_bf16 (LM head packed bf16)");
+ABSL_FLAG(std::string, fidelity_reference, "",
+          "--fidelity: the bf16 reference from this checkpoint instead (same config), e.g. one "
+          "holding the dequantized weights, which separates the kernels' error from rounding's");
+ABSL_FLAG(double, fidelity_margin, 1.0, "--fidelity: bf16 top-1 margin counted as clear");
 ABSL_FLAG(std::string, matmul, "auto", "decoder projections: auto, kernels or torch");
-ABSL_FLAG(std::string, weight_dtype, "bf16", "decoder projection weights: bf16 or int8");
+ABSL_FLAG(std::string, weight_dtype, "bf16", "decoder projection weights: bf16, int8 or int4");
 ABSL_FLAG(bool, int8_prefill_gemm, true,
           "int8 layers: prefill rows on kernels::GemmInt8 (false: GemvInt8 like decode rows)");
 ABSL_FLAG(bool, int8_lm_head, true,
@@ -388,37 +398,42 @@ int RunSmallM(const vlm::TextConfig& c, double bw) {
   return 0;
 }
 
-// int8 projections against bf16 (kernels) on the same checkpoint: per
-// position logits cosine and greedy agreement where the bf16 margin > 1.
-int RunFidelity(std::shared_ptr<const vlm::SafetensorsCheckpoint> checkpoint,
-                const vlm::ModelConfig& config) {
-  using namespace vlm;
-  using namespace vlm::language;
-  DecoderOptions o;
-  o.compute_dtype = ComputeDType::kBFloat16;
-  auto bf16 = Decoder::Load(checkpoint, config, o);
-  o.weight_dtype = WeightDType::kInt8;
-  o.int8_lm_head = absl::GetFlag(FLAGS_int8_lm_head);
-  o.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
-  auto int8 = Decoder::Load(checkpoint, config, o);
-  if (!bf16.ok() || !int8.ok()) {
-    std::fprintf(stderr, "load: %s %s\n", bf16.status().ToString().c_str(),
-                 int8.status().ToString().c_str());
-    return 1;
+// One quantized form of the decoder for --fidelity: weights and LM head.
+struct FidelityVariant {
+  std::string name;
+  vlm::language::WeightDType weights;
+  bool int8_head = true, int4_head = false;
+};
+
+// --fidelity_variants: bf16 (against --fidelity_reference), int8 (int8 head unless --int8_lm_head=false), int4
+// (its default head: int8), int4_head4 (int4 head), int4_head_bf16 (packed
+// bf16 head).
+absl::StatusOr<std::vector<FidelityVariant>> ParseFidelityVariants(const std::string& list) {
+  using vlm::language::WeightDType;
+  std::vector<FidelityVariant> out;
+  for (absl::string_view v : absl::StrSplit(list, ',', absl::SkipEmpty())) {
+    if (v == "bf16") out.push_back({"bf16", WeightDType::kBFloat16});
+    else if (v == "int8") out.push_back({"int8", WeightDType::kInt8, absl::GetFlag(FLAGS_int8_lm_head)});
+    else if (v == "int4") out.push_back({"int4 (head int8)", WeightDType::kInt4, true});
+    else if (v == "int4_head4") out.push_back({"int4 (head int4)", WeightDType::kInt4, true, true});
+    else if (v == "int4_head_bf16") out.push_back({"int4 (head bf16)", WeightDType::kInt4, false});
+    else return absl::InvalidArgumentError(absl::StrCat("unknown fidelity variant ", v));
   }
-  std::printf("%s\n%s\n", (*bf16)->load_summary().c_str(), (*int8)->load_summary().c_str());
-  const int prompt = absl::GetFlag(FLAGS_prompt_tokens), steps = absl::GetFlag(FLAGS_decode_tokens);
-  std::mt19937 rng(9);
-  std::vector<int32_t> ids(prompt);
-  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 150000);
+  return out;
+}
+
+// One sequence through a decoder: `prompt` ids prefilled, then one decode
+// pass per further id of `ids`; the logits at every pass's last position.
+absl::StatusOr<std::vector<at::Tensor>> SequenceLogits(const vlm::language::Decoder& d,
+                                                       std::vector<int32_t>& ids, int prompt,
+                                                       int steps, bool extend_greedy) {
+  using namespace vlm::language;
   const int64_t bs = 16;
   std::vector<int32_t> table;
   for (int32_t b = 0; b < (prompt + steps + bs) / bs; ++b) table.push_back(b);
-  auto kv_b = (*bf16)->NewKvStorage(static_cast<int64_t>(table.size()), bs);
-  auto kv_i = (*int8)->NewKvStorage(static_cast<int64_t>(table.size()), bs);
-  if (!kv_b.ok() || !kv_i.ok()) return 1;
-  std::vector<double> cosines;
-  int clear = 0, agree = 0, agree_all = 0;
+  auto kv = d.NewKvStorage(static_cast<int64_t>(table.size()), bs);
+  if (!kv.ok()) return kv.status();
+  std::vector<at::Tensor> out;
   for (int step = 0; step <= steps; ++step) {
     const int64_t start = step == 0 ? 0 : prompt + step - 1, n = step == 0 ? prompt : 1;
     SequenceChunk c;
@@ -429,32 +444,101 @@ int RunFidelity(std::shared_ptr<const vlm::SafetensorsCheckpoint> checkpoint,
                       .unsqueeze(0).expand({3, n}).contiguous();
     c.decode = step > 0;
     c.logits = true;
-    auto lb = (*bf16)->Forward(*kv_b, {c});
-    auto li = (*int8)->Forward(*kv_i, {c});
-    if (!lb.ok() || !li.ok()) {
-      std::fprintf(stderr, "forward: %s %s\n", lb.status().ToString().c_str(),
-                   li.status().ToString().c_str());
+    auto l = d.Forward(*kv, {c});
+    if (!l.ok()) return l.status();
+    out.push_back((*l)[0].to(at::kDouble));
+    if (extend_greedy && step < steps) ids.push_back(static_cast<int32_t>(out.back().argmax().item<int64_t>()));
+  }
+  return out;
+}
+
+// Quantized forms against bf16 (kernels) on the same checkpoint: per position
+// logits cosine, greedy agreement overall and where the bf16 top-1 margin
+// exceeds --fidelity_margin (each form teacher-forced on the bf16 greedy
+// continuation), and the weight bytes a decode step reads.
+int RunFidelity(std::shared_ptr<const vlm::SafetensorsCheckpoint> checkpoint,
+                const vlm::ModelConfig& config) {
+  using namespace vlm;
+  using namespace vlm::language;
+  auto variants = ParseFidelityVariants(absl::GetFlag(FLAGS_fidelity_variants));
+  if (!variants.ok()) {
+    std::fprintf(stderr, "%s\n", variants.status().ToString().c_str());
+    return 2;
+  }
+  DecoderOptions o;
+  o.compute_dtype = ComputeDType::kBFloat16;
+  o.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
+  std::shared_ptr<const SafetensorsCheckpoint> reference = checkpoint;
+  if (const std::string dir = absl::GetFlag(FLAGS_fidelity_reference); !dir.empty()) {
+    auto r = SafetensorsCheckpoint::Open(dir);
+    if (!r.ok()) {
+      std::fprintf(stderr, "reference: %s\n", r.status().ToString().c_str());
       return 1;
     }
-    const at::Tensor x = (*lb)[0].to(at::kDouble), y = (*li)[0].to(at::kDouble);
-    cosines.push_back((x * y).sum().item<double>() / (x.norm().item<double>() * y.norm().item<double>()));
-    auto top = x.topk(2);
-    const double margin = std::get<0>(top)[0].item<double>() - std::get<0>(top)[1].item<double>();
-    const int64_t want = std::get<1>(top)[0].item<int64_t>();
-    const bool same = y.argmax().item<int64_t>() == want;
-    agree_all += same;
-    if (margin > 1) {
-      ++clear;
-      agree += same;
-    }
-    ids.push_back(static_cast<int32_t>(want));
+    reference = *std::move(r);
   }
-  const double mean = std::accumulate(cosines.begin(), cosines.end(), 0.0) / cosines.size();
-  std::printf("\n### int8 vs bf16 logits (%s), %d prompt tokens + %d teacher-forced greedy steps\n\n"
-              "| positions | cosine min | cosine mean | greedy equal (all) | bf16 margin > 1 | greedy "
-              "equal there |\n|---|---|---|---|---|---|\n| %zu | %.6f | %.6f | %d | %d | %d |\n",
-              absl::GetFlag(FLAGS_checkpoint).c_str(), prompt, steps, cosines.size(),
-              *std::min_element(cosines.begin(), cosines.end()), mean, agree_all, clear, agree);
+  auto bf16 = Decoder::Load(reference, config, o);
+  if (!bf16.ok()) {
+    std::fprintf(stderr, "load: %s\n", bf16.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("%s\n", (*bf16)->load_summary().c_str());
+  const int prompt = absl::GetFlag(FLAGS_prompt_tokens), steps = absl::GetFlag(FLAGS_decode_tokens);
+  const double threshold = absl::GetFlag(FLAGS_fidelity_margin);
+  std::mt19937 rng(9);
+  std::vector<int32_t> ids(prompt);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % std::min<int64_t>(150000, (*bf16)->vocab_size()));
+  auto want = SequenceLogits(**bf16, ids, prompt, steps, true);
+  if (!want.ok()) {
+    std::fprintf(stderr, "bf16 forward: %s\n", want.status().ToString().c_str());
+    return 1;
+  }
+  const double bf16_bytes = static_cast<double>((*bf16)->decode_weight_bytes());
+  bf16->reset();
+  std::string rows;
+  for (const FidelityVariant& v : *variants) {
+    o.weight_dtype = v.weights;
+    o.int8_lm_head = v.int8_head;
+    o.int4_lm_head = v.int4_head;
+    auto d = Decoder::Load(checkpoint, config, o);
+    if (!d.ok()) {
+      std::fprintf(stderr, "load %s: %s\n", v.name.c_str(), d.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("%s\n", (*d)->load_summary().c_str());
+    auto got = SequenceLogits(**d, ids, prompt, steps, false);
+    if (!got.ok()) {
+      std::fprintf(stderr, "forward %s: %s\n", v.name.c_str(), got.status().ToString().c_str());
+      return 1;
+    }
+    double cos_min = 1, cos_sum = 0;
+    int clear = 0, agree = 0, agree_all = 0;
+    for (size_t i = 0; i < want->size(); ++i) {
+      const at::Tensor& x = (*want)[i];
+      const at::Tensor& y = (*got)[i];
+      const double c = (x * y).sum().item<double>() / (x.norm().item<double>() * y.norm().item<double>());
+      cos_min = std::min(cos_min, c);
+      cos_sum += c;
+      auto top = x.topk(2);
+      const double margin = std::get<0>(top)[0].item<double>() - std::get<0>(top)[1].item<double>();
+      const bool same = y.argmax().item<int64_t>() == std::get<1>(top)[0].item<int64_t>();
+      agree_all += same;
+      if (margin > threshold) {
+        ++clear;
+        agree += same;
+      }
+    }
+    const double bytes = static_cast<double>((*d)->decode_weight_bytes());
+    absl::StrAppend(&rows, absl::StrFormat("| %s | %.6f | %.6f | %d / %zu | %d | %d | %.3f (%.2fx fewer) |\n",
+                                           v.name, cos_min, cos_sum / want->size(), agree_all,
+                                           want->size(), clear, agree, bytes / 1e9, bf16_bytes / bytes));
+  }
+  std::printf("\n### Quantized vs bf16 logits (%s), %d prompt tokens + %d teacher-forced greedy "
+              "steps, bf16 decode step reads %.3f GB\n\n"
+              "| weights | cosine min | cosine mean | greedy equal (all) | bf16 margin > %g | greedy "
+              "equal there | GB read per decode step |\n|---|---|---|---|---|---|---|\n%s",
+              absl::GetFlag(FLAGS_checkpoint).c_str(), prompt, steps, bf16_bytes / 1e9, threshold,
+              rows.c_str());
   return 0;
 }
 

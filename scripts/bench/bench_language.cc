@@ -16,6 +16,8 @@
 //
 // Old path vs new in one run (the decoder's kernels, issue 11):
 //   vlm-bench-language --configs "--matmul=torch;--matmul=kernels;--weight_dtype=int8"
+// bf16, int8 and int4 decode in one table (issue 21's acceptance):
+//   vlm-bench-language --configs ";--weight_dtype=int8;--weight_dtype=int4"
 // Decode also runs in paired rounds (--paired_decode_rounds, default 5):
 // every configuration's server stays up, and each round decodes once on each,
 // back to back, so the ratio to the first bf16 configuration is taken seconds
@@ -24,7 +26,8 @@
 // for int8, on the 2B).
 // Each configuration's bound uses the bytes its decode step reads (for
 // --weight_dtype=int8: int8 rows, row scales and group ratios of the
-// projections and the LM head). --cliff "200:260:4" adds prefill time
+// projections and the LM head; --weight_dtype=int4: nibbles, row scales, group
+// ratios and zero points of the projections, the LM head in int8). --cliff "200:260:4" adds prefill time
 // per token for every 4th prompt length in 200..260 and the largest ratio
 // between neighbouring lengths (a length cliff shows up as a ratio >> 1).
 // The prefix cache is off in every configuration (repeated prompts must
@@ -64,6 +67,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/kernels/quantize.h"
+#include "common/kernels/quantize_int4.h"
+#include "common/kernels/gemv_int4.h"
+#include "common/kernels/gemv_int8.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -293,9 +299,40 @@ GenerateRequest PromptOfTokens(vlm::v1::Language::Stub& stub, int tokens, int ma
 // `int8`, the seven projections of every layer as QuantizedWeight::bytes()
 // counts them (rows padded to a whole group of kInt8Group, an f32 scale per
 // row, an f16 ratio per group); with `int8_head` also the (tied) LM head.
-uint64_t DecodeWeightBytes(const std::string& dir, bool int8 = false, bool int8_head = false) {
+// /proc/cpuinfo's model name, "?" when unknown.
+std::string CpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
+      return line.substr(line.find(':') + 2);
+    }
+  }
+  return "?";
+}
+
+// The projections' storage a configuration's flags select.
+enum class LayerForm { kBf16, kInt8, kInt4 };
+LayerForm FormOf(absl::string_view extra) {
+  if (absl::StrContains(extra, "--weight_dtype=int8")) return LayerForm::kInt8;
+  if (absl::StrContains(extra, "--weight_dtype=int4")) return LayerForm::kInt4;
+  return LayerForm::kBf16;
+}
+
+// Weight bytes one decode step reads: the projections in `form` (int8: rows,
+// row scales and group ratios; int4: nibbles, row scales, group ratios and
+// zero points), the LM head in int8 when int8_head (the service's int8 and
+// int4 forms), everything else as stored.
+uint64_t DecodeWeightBytes(const std::string& dir, LayerForm form = LayerForm::kBf16,
+                           bool int8_head = false) {
   auto checkpoint = vlm::SafetensorsCheckpoint::Open(dir);
   if (!checkpoint.ok()) return 0;
+  auto int4_bytes = [](const std::vector<int64_t>& shape) {
+    const uint64_t n = static_cast<uint64_t>(shape[0]);
+    const uint64_t groups = static_cast<uint64_t>(
+        (shape[1] + vlm::kernels::kInt4Group - 1) / vlm::kernels::kInt4Group);
+    return n * groups * (vlm::kernels::kInt4Group / 2 + sizeof(uint16_t) + 1) + n * sizeof(float);
+  };
   auto int8_bytes = [](const std::vector<int64_t>& shape) {
     const uint64_t n = static_cast<uint64_t>(shape[0]);
     const uint64_t groups = static_cast<uint64_t>(
@@ -315,8 +352,11 @@ uint64_t DecodeWeightBytes(const std::string& dir, bool int8 = false, bool int8_
       embed = as_stored;
     } else if (absl::StrContains(name, "language_model.") || name.rfind("model.layers.", 0) == 0 ||
                name == "model.norm.weight") {
-      if (int8 && absl::StrContains(name, "_proj.weight") && shape.size() == 2) {
+      const bool projection = absl::StrContains(name, "_proj.weight") && shape.size() == 2;
+      if (projection && form == LayerForm::kInt8) {
         bytes += int8_bytes(shape);
+      } else if (projection && form == LayerForm::kInt4) {
+        bytes += int4_bytes(shape);
       } else {
         bytes += (*info)->nbytes();
       }
@@ -379,8 +419,8 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
   {
     // The KV pool is address space until blocks are used, so at SERVING the
     // process should hold little beyond its weights (the budget: + 400 MiB).
-    const bool int8 = absl::StrContains(extra, "--weight_dtype=int8");
-    const double weights = DecodeWeightBytes(dir, int8, int8) / 1048576.0;
+    const LayerForm form = FormOf(extra);
+    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16) / 1048576.0;
     col.Add("weight bytes in this form (MiB)", absl::StrFormat("%.0f", weights));
     col.Add("RSS at SERVING - weight bytes (MiB)",
             absl::StrFormat("%.0f", Median(rss_serving) - weights));
@@ -551,9 +591,10 @@ int main(int argc, char** argv) {
     servers.emplace_back();
     columns.push_back(Measure(binary, dir, std::string(extra), *config, &bandwidth,
                               paired ? &servers.back() : nullptr));
-    // The service's int8 form quantizes the LM head too (DecoderOptions::int8_lm_head).
-    const bool int8 = absl::StrContains(extra, "--weight_dtype=int8");
-    columns.back().bytes = DecodeWeightBytes(dir, int8, int8);
+    // The service's int8 and int4 forms put the LM head in int8
+    // (DecoderOptions::int8_lm_head).
+    const LayerForm form = FormOf(extra);
+    columns.back().bytes = DecodeWeightBytes(dir, form, form != LayerForm::kBf16);
   }
   // The bound uses the best bandwidth seen in this run (contention only lowers it).
   const Column* first_bf16 = nullptr;
@@ -595,6 +636,10 @@ int main(int argc, char** argv) {
   std::printf("vlm-bench-language: %s, %d threads, medians of %d runs (%d starts)\n", dir.c_str(),
               absl::GetFlag(FLAGS_threads), absl::GetFlag(FLAGS_runs),
               absl::GetFlag(FLAGS_starts));
+  std::printf("CPU: %s (int8 gemv %s, int4 gemv %s, gemm %s)\n", CpuModelName().c_str(),
+              vlm::kernels::GemvInt8PathName(vlm::kernels::DefaultGemvInt8Path()),
+              vlm::kernels::GemvInt4PathName(vlm::kernels::DefaultGemvInt4Path()),
+              vlm::kernels::GemmPathName(vlm::kernels::DefaultGemmPath()));
   std::printf("weight bytes read per decode step: %.1f MiB; read bandwidth (best of the run): "
               "%.1f GB/s\n\n",
               bytes / 1048576.0, bandwidth / 1e9);

@@ -48,8 +48,9 @@ ABSL_FLAG(std::string, matmul, "auto",
           "and decode rows; needs AVX-512 BF16 or AMX), torch (at::linear + vlm::Gemv), auto "
           "(kernels where available); f32 compute always uses at::linear");
 ABSL_FLAG(std::string, weight_dtype, "bf16",
-          "decoder projection weights: bf16, or int8 (one scale per group of 32, quantized at "
-          "layer materialization; needs --compute_dtype bf16; ignores --matmul)");
+          "decoder projection weights: bf16, int8 (one scale per group of 32) or int4 (4-bit, "
+          "one scale and zero point per group of 32; LM head int8), quantized at layer "
+          "materialization; needs --compute_dtype bf16; ignores --matmul");
 ABSL_FLAG(bool, int8_prefill_gemm, true,
           "with --weight_dtype int8: prefill rows on the bf16 GEMM over int8 weights converted "
           "per call (faster where prefill is compute-bound); false: the int8 GEMV like decode rows");

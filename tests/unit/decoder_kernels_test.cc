@@ -607,9 +607,10 @@ TEST(DecoderKernelsTest, ParsesFlagValuesAndNamesTheAcceptedOnes) {
   absl::StatusOr<MatmulPath> bad = ParseMatmulPath("onednn");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("kernels, torch or auto"), std::string::npos);
-  absl::StatusOr<WeightDType> bad_w = ParseWeightDType("int4");
+  EXPECT_EQ(ParseWeightDType("int4").value(), WeightDType::kInt4);
+  absl::StatusOr<WeightDType> bad_w = ParseWeightDType("int2");
   ASSERT_FALSE(bad_w.ok());
-  EXPECT_NE(bad_w.status().message().find("bf16 or int8"), std::string::npos);
+  EXPECT_NE(bad_w.status().message().find("bf16, int8 or int4"), std::string::npos);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/kernels/gemm.h"
+#include "common/kernels/gemv_int4.h"
 #include "common/kernels/gemv_int8.h"
 #include "common/kernels/gemv.h"
 #include "common/kernels/paged_attention.h"
@@ -43,6 +44,30 @@ at::Tensor Int8Rows(const at::Tensor& x, const kernels::QuantizedWeight& w,
   return y;
 }
 
+// The same over int4 weights (GemvInt4).
+at::Tensor Int8Rows(const at::Tensor& x, const kernels::Int4Weight& w,
+                    at::ScalarType dtype = at::kBFloat16) {
+  at::Tensor y = at::empty({x.size(0), w.n()}, x.options().dtype(dtype));
+  Check(kernels::GemvInt4(x, w, &y));
+  return y;
+}
+
+// The decode GEMV and the prefill GEMM of each quantized form.
+void QuantizedGemv(const at::Tensor& x, const kernels::QuantizedWeight& w, at::Tensor* y) {
+  Check(kernels::GemvInt8(x, w, y));
+}
+void QuantizedGemv(const at::Tensor& x, const kernels::Int4Weight& w, at::Tensor* y) {
+  Check(kernels::GemvInt4(x, w, y));
+}
+void QuantizedGemm(const at::Tensor& x, const kernels::QuantizedWeight& w, at::Tensor* y,
+                   const kernels::GemmOptions& o = {}) {
+  Check(kernels::GemmInt8(x, w, y, o));
+}
+void QuantizedGemm(const at::Tensor& x, const kernels::Int4Weight& w, at::Tensor* y,
+                   const kernels::GemmOptions& o = {}) {
+  Check(kernels::GemmInt4(x, w, y, o));
+}
+
 }  // namespace
 
 const char* MatmulPathName(MatmulPath path) {
@@ -66,14 +91,15 @@ absl::StatusOr<MatmulPath> ParseMatmulPath(std::string_view value) {
 }
 
 const char* WeightDTypeName(WeightDType dtype) {
-  return dtype == WeightDType::kInt8 ? "int8" : "bf16";
+  return dtype == WeightDType::kInt8 ? "int8" : dtype == WeightDType::kInt4 ? "int4" : "bf16";
 }
 
 absl::StatusOr<WeightDType> ParseWeightDType(std::string_view value) {
   if (value == "bf16" || value == "bfloat16") return WeightDType::kBFloat16;
   if (value == "int8") return WeightDType::kInt8;
+  if (value == "int4") return WeightDType::kInt4;
   return absl::InvalidArgumentError(
-      absl::StrCat("weight_dtype \"", std::string(value), "\": expected bf16 or int8"));
+      absl::StrCat("weight_dtype \"", std::string(value), "\": expected bf16, int8 or int4"));
 }
 
 Decoder::~Decoder() = default;
@@ -264,7 +290,23 @@ absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::strin
   LayerStoreOptions layer_options = options.layers;
   layer_options.form = ProjectionForm::kDense;
   std::string matmul_note;
-  if (options.weight_dtype == WeightDType::kInt8) {
+  if (options.weight_dtype == WeightDType::kInt4) {
+    if (dtype != at::kBFloat16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weight_dtype int4 needs compute dtype bf16 (compute is ",
+          ComputeDTypeName(compute_dtype_), warning.empty() ? "" : absl::StrCat(": ", warning),
+          "); float32 is the unquantized fidelity reference"));
+    }
+    layer_options.form = ProjectionForm::kInt4;
+    const kernels::GemmPath gemm = kernels::DefaultGemmPath();
+    quantized_gemm_ = gemm != kernels::GemmPath::kTorch;
+    matmul_note = absl::StrCat(
+        "int4 projections (decode rows gemv_int4/",
+        kernels::GemvInt4PathName(kernels::DefaultGemvInt4Path()), ", prefill rows ",
+        quantized_gemm_ ? absl::StrCat("gemm_int4/", kernels::GemmPathName(gemm))
+                        : std::string("gemv_int4"),
+        ")");
+  } else if (options.weight_dtype == WeightDType::kInt8) {
     if (dtype != at::kBFloat16) {
       return absl::InvalidArgumentError(absl::StrCat(
           "weight_dtype int8 needs compute dtype bf16 (compute is ",
@@ -278,11 +320,11 @@ absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::strin
     }
     layer_options.form = ProjectionForm::kInt8;
     const kernels::GemmPath gemm = kernels::DefaultGemmPath();
-    int8_gemm_ = options.int8_prefill_gemm && gemm != kernels::GemmPath::kTorch;
+    quantized_gemm_ = options.int8_prefill_gemm && gemm != kernels::GemmPath::kTorch;
     matmul_note = absl::StrCat(
         "int8 projections (decode rows gemv_int8/",
         kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ", prefill rows ",
-        int8_gemm_ ? absl::StrCat("gemm_int8/", kernels::GemmPathName(gemm))
+        quantized_gemm_ ? absl::StrCat("gemm_int8/", kernels::GemmPathName(gemm))
                       : std::string("gemv_int8"),
         ")");
   } else if (options.matmul != MatmulPath::kTorch) {
@@ -322,12 +364,21 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
   // pages are no longer needed in memory.
   std::string head_note =
       use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear";
-  const bool int8_head = form == ProjectionForm::kInt8 && options.int8_lm_head;
-  if (int8_head || (options.packed_head && form != ProjectionForm::kDense &&
+  const bool quantized_layers = form == ProjectionForm::kInt8 || form == ProjectionForm::kInt4;
+  const bool int4_head = form == ProjectionForm::kInt4 && options.int4_lm_head;
+  const bool int8_head = quantized_layers && options.int8_lm_head && !int4_head;
+  if (int8_head || int4_head || (options.packed_head && form != ProjectionForm::kDense &&
                     kernels::DefaultGemmPath() != kernels::GemmPath::kTorch)) {
     try {
       uint64_t head_bytes = 0;
-      if (int8_head) {
+      if (int4_head) {
+        absl::StatusOr<kernels::Int4Weight> head = kernels::QuantizeInt4(lm_head_);
+        if (!head.ok()) return head.status();
+        lm_head4_ = *std::move(head);
+        head_bytes = lm_head4_.bytes();
+        head_note = absl::StrCat("int4 (gemv_int4/",
+                                 kernels::GemvInt4PathName(kernels::DefaultGemvInt4Path()), ")");
+      } else if (int8_head) {
         absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(lm_head_);
         if (!head.ok()) return head.status();
         lm_head8_ = *std::move(head);
@@ -359,7 +410,8 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
 }
 
 uint64_t Decoder::decode_weight_bytes() const {
-  const uint64_t head = !lm_head8_.empty()     ? lm_head8_.bytes()
+  const uint64_t head = !lm_head4_.empty()     ? lm_head4_.bytes()
+                        : !lm_head8_.empty()     ? lm_head8_.bytes()
                         : !packed_head_.empty() ? packed_head_.bytes()
                                                 : lm_head_.nbytes();
   return layers_->total_bytes() + head + final_norm_.nbytes();
@@ -372,6 +424,7 @@ uint64_t Decoder::decode_weight_bytes() const {
 at::Tensor Decoder::Head(const at::Tensor& hidden) const {
   // hidden: [R, hidden] (after the final norm) -> [R, vocab] float32. Every
   // form gives per-row results (GemvInt8, packed Gemm, Gemv, RowLinear).
+  if (!lm_head4_.empty()) return Int8Rows(hidden, lm_head4_, at::kFloat);
   if (!lm_head8_.empty()) return Int8Rows(hidden, lm_head8_, at::kFloat);
   if (!packed_head_.empty()) {
     kernels::GemmOptions options;
@@ -675,39 +728,67 @@ std::vector<at::Tensor> Decoder::Project(int64_t np, int64_t nd, const at::Tenso
   return ys;
 }
 
-// Int8 weights: prefill rows [0, np) through GemmInt8 when int8_gemm_
-// (multiply-bound: the bf16 micro-kernel on panels converted per call),
-// decode rows [np, np + nd) through GemvInt8 (bandwidth-bound: int8 bytes).
-// A row's kernel depends only on its kind, never on the batch it is in.
-at::Tensor Decoder::Int8Project(int64_t np, int64_t nd, const at::Tensor& h,
-                                const kernels::QuantizedWeight& w) const {
-  const int64_t gemm_rows = Int8GemmRows(np);
+// Int8 / int4 weights: prefill rows [0, np) through GemmInt8 / GemmInt4
+// when quantized_gemm_ (multiply-bound: the bf16 micro-kernel on panels
+// converted per call), decode rows [np, np + nd) through GemvInt8 / GemvInt4
+// (bandwidth-bound: the quantized bytes). A row's kernel depends only on its
+// kind, never on the batch it is in.
+template <typename W>
+at::Tensor Decoder::QuantizedProject(int64_t np, int64_t nd, const at::Tensor& h,
+                                     const W& w) const {
+  const int64_t gemm_rows = QuantizedGemmRows(np);
   if (gemm_rows == 0) return Int8Rows(h, w);
   at::Tensor y = at::empty({np + nd, w.n()}, h.options());
   at::Tensor yp = y.narrow(0, 0, gemm_rows);
-  Check(kernels::GemmInt8(h.narrow(0, 0, gemm_rows), w, &yp));
+  QuantizedGemm(h.narrow(0, 0, gemm_rows), w, &yp);
   if (nd > 0) {
     at::Tensor yd = y.narrow(0, gemm_rows, nd);
-    Check(kernels::GemvInt8(h.narrow(0, gemm_rows, nd), w, &yd));
+    QuantizedGemv(h.narrow(0, gemm_rows, nd), w, &yd);
   }
   return y;
 }
 
-// x += h·wᵀ by row kind as Int8Project; the GEMM rows add in its epilogue
-// (x = round(x + f32 sum), in place), the GEMV rows round the product first.
-void Decoder::Int8AddInPlace(int64_t np, int64_t nd, const at::Tensor& h,
-                             const kernels::QuantizedWeight& w, at::Tensor& x) const {
-  const int64_t gemm_rows = Int8GemmRows(np);
+// x += h·wᵀ by row kind as QuantizedProject; the GEMM rows add in its
+// epilogue (x = round(x + f32 sum), in place), the GEMV rows round the
+// product first.
+template <typename W>
+void Decoder::QuantizedAddInPlace(int64_t np, int64_t nd, const at::Tensor& h, const W& w,
+                                  at::Tensor& x) const {
+  const int64_t gemm_rows = QuantizedGemmRows(np);
   if (gemm_rows > 0) {
     at::Tensor xp = x.narrow(0, 0, gemm_rows);
     kernels::GemmOptions go;
     go.residual = xp;
-    Check(kernels::GemmInt8(h.narrow(0, 0, gemm_rows), w, &xp, go));
+    QuantizedGemm(h.narrow(0, 0, gemm_rows), w, &xp, go);
   }
   if (gemm_rows < np + nd) {
     const int64_t rows = np + nd - gemm_rows;
     RowAddInPlace(x.narrow(0, gemm_rows, rows), Int8Rows(h.narrow(0, gemm_rows, rows), w));
   }
+}
+
+template <typename W>
+void Decoder::QuantizedMlp(int64_t np, int64_t nd, const W& gate_up, const W& down,
+                           const at::Tensor& n, at::Tensor& x) const {
+  const int64_t inter = config_.text.intermediate_size;
+  const int64_t gemm_rows = QuantizedGemmRows(np);
+  // silu(gate)·up of the GEMV rows [gemm_rows, R), from their [rows, 2·intermediate].
+  auto gemv_silu_mul = [&](int64_t rows) {
+    const at::Tensor gu = Int8Rows(n.narrow(0, gemm_rows, rows), gate_up);
+    return RowSiluMul(gu.narrow(1, 0, inter).contiguous(), gu.narrow(1, inter, inter).contiguous());
+  };
+  at::Tensor a;  // silu(gate)·up [R, intermediate]
+  if (gemm_rows == 0) {
+    a = gemv_silu_mul(np + nd);  // decode-only passes: no extra buffer or copy
+  } else {
+    a = at::empty({np + nd, inter}, n.options());
+    at::Tensor ap = a.narrow(0, 0, gemm_rows);
+    kernels::GemmOptions act;
+    act.activation = kernels::Activation::kSiluMul;
+    QuantizedGemm(n.narrow(0, 0, gemm_rows), gate_up, &ap, act);
+    if (nd > 0) a.narrow(0, gemm_rows, nd).copy_(gemv_silu_mul(nd));
+  }
+  QuantizedAddInPlace(np, nd, a, down, x);
 }
 
 void Decoder::ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w,
@@ -731,7 +812,10 @@ void Decoder::ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w,
       break;
     }
     case ProjectionForm::kInt8:
-      y = Int8Project(np, nd, h, w.qkv8);
+      y = QuantizedProject(np, nd, h, w.qkv8);
+      break;
+    case ProjectionForm::kInt4:
+      y = QuantizedProject(np, nd, h, w.qkv4);
       break;
   }
   *q = y.narrow(1, 0, nq).contiguous();
@@ -753,7 +837,10 @@ void Decoder::AddAttentionOut(int64_t np, int64_t nd, const DecoderLayerWeights&
       return;
     }
     case ProjectionForm::kInt8:
-      Int8AddInPlace(np, nd, o, w.o8, x);
+      QuantizedAddInPlace(np, nd, o, w.o8, x);
+      return;
+    case ProjectionForm::kInt4:
+      QuantizedAddInPlace(np, nd, o, w.o4, x);
       return;
   }
 }
@@ -776,29 +863,12 @@ void Decoder::AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const
       Check(kernels::Gemm(*a, w.down, &x, go));
       return;
     }
-    case ProjectionForm::kInt8: {
-      const int64_t inter = config_.text.intermediate_size;
-      const int64_t gemm_rows = Int8GemmRows(np);
-      // silu(gate)·up of the GEMV rows [gemm_rows, R), from their [rows, 2·intermediate].
-      auto gemv_silu_mul = [&](int64_t rows) {
-        const at::Tensor gu = Int8Rows(n.narrow(0, gemm_rows, rows), w.gate_up8);
-        return RowSiluMul(gu.narrow(1, 0, inter).contiguous(),
-                          gu.narrow(1, inter, inter).contiguous());
-      };
-      at::Tensor a;  // silu(gate)·up [R, intermediate]
-      if (gemm_rows == 0) {
-        a = gemv_silu_mul(np + nd);  // decode-only passes: no extra buffer or copy
-      } else {
-        a = at::empty({np + nd, inter}, n.options());
-        at::Tensor ap = a.narrow(0, 0, gemm_rows);
-        kernels::GemmOptions act;
-        act.activation = kernels::Activation::kSiluMul;
-        Check(kernels::GemmInt8(n.narrow(0, 0, gemm_rows), w.gate_up8, &ap, act));
-        if (nd > 0) a.narrow(0, gemm_rows, nd).copy_(gemv_silu_mul(nd));
-      }
-      Int8AddInPlace(np, nd, a, w.down8, x);
+    case ProjectionForm::kInt8:
+      QuantizedMlp(np, nd, w.gate_up8, w.down8, n, x);
       return;
-    }
+    case ProjectionForm::kInt4:
+      QuantizedMlp(np, nd, w.gate_up4, w.down4, n, x);
+      return;
   }
 }
 

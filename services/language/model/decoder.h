@@ -68,9 +68,20 @@ absl::StatusOr<MatmulPath> ParseMatmulPath(std::string_view value);
 //         the bf16 table stays for embedding lookups, which touch few pages).
 //         Needs the bf16 compute dtype (Load rejects f32: the f32 path is the
 //         fidelity reference and stays unquantized).
-enum class WeightDType { kBFloat16, kInt8 };
-const char* WeightDTypeName(WeightDType dtype);  // "bf16", "int8"
-// "bf16" (or "bfloat16"), "int8"; INVALID_ARGUMENT names the accepted values.
+//   int4  asymmetric 4-bit, one scale and zero point per group of 32 along K
+//         (kernels/quantize_int4.h), made at layer materialization like int8;
+//         decode rows through kernels::GemvInt4, prefill rows through
+//         kernels::GemmInt4 where a blocked GEMM path exists (else GemvInt4),
+//         rows independent of their batch. The LM head in int8 (int8_lm_head;
+//         int4_lm_head for 4 bits). bf16 compute only, as int8. Logits cosine
+//         against bf16 (vlm-bench-decoder --fidelity, 64 prompt tokens + 16
+//         greedy steps): 0.916 mean on the synthetic 2B checkpoint, 0.92 on
+//         tiny (int8: 0.9993 / 0.9995); their random layers amplify the 4-bit
+//         rounding's 8% weight error. Against bf16 on the dequantized weights
+//         0.9999 (decoder_int4_test): the kernels add next to nothing.
+enum class WeightDType { kBFloat16, kInt8, kInt4 };
+const char* WeightDTypeName(WeightDType dtype);  // "bf16", "int8", "int4"
+// "bf16" (or "bfloat16"), "int8", "int4"; INVALID_ARGUMENT names the accepted values.
 absl::StatusOr<WeightDType> ParseWeightDType(std::string_view value);
 
 struct DecoderOptions {
@@ -91,7 +102,14 @@ struct DecoderOptions {
   // With weight_dtype int8: the LM head in int8 as well (halves its 622 MB
   // read per decode step on the 2B model; logits cosine 0.99998 against the
   // bf16 head on the synthetic 2B checkpoint, scripts/bench/int8_fidelity.py).
+  // With weight_dtype int4 as well: the LM head in int8 (vlm-bench-decoder
+  // --fidelity with int4 layers: int8 head 0.921936 mean cosine on tiny, bf16
+  // head 0.921940, int4 head 0.919; on the 2B 0.9162 int8 vs 0.9133 int4 head,
+  // for 0.15 GB more per step than int4).
   bool int8_lm_head = true;
+  // With weight_dtype int4: the LM head in int4 instead (the fewest bytes;
+  // for fidelity comparisons).
+  bool int4_lm_head = false;
   // With weight_dtype int8: prefill rows through kernels::GemmInt8 (int8
   // panels converted to bf16 per call, the bf16 GEMM's micro-kernel) where a
   // blocked GEMM path exists; false: through GemvInt8 like decode rows.
@@ -203,7 +221,7 @@ class Decoder {
   LayerStore& layers() const { return *layers_; }
   bool tied_head() const { return tied_; }
   bool using_gemv() const { return use_gemv_; }
-  // What Load resolved: dense (torch), packed (kernels) or int8 projections.
+  // What Load resolved: dense (torch), packed (kernels), int8 or int4 projections.
   ProjectionForm projection_form() const { return layers_->options().form; }
   // Bytes of the embedding, final norm and (untied) head in the compute dtype.
   uint64_t embedding_bytes() const { return embedding_bytes_; }
@@ -234,15 +252,20 @@ class Decoder {
   //   x += (silu(n·Wgᵀ)·(n·Wuᵀ))·Wdᵀ, in place
   void AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const at::Tensor& n,
               at::Tensor& x) const;
-  // Int8 layers, np prefill rows then nd decode rows: y = h·wᵀ [R, N], and
-  // x += h·wᵀ in place.
-  at::Tensor Int8Project(int64_t np, int64_t nd, const at::Tensor& h,
-                         const kernels::QuantizedWeight& w) const;
-  void Int8AddInPlace(int64_t np, int64_t nd, const at::Tensor& h,
-                      const kernels::QuantizedWeight& w, at::Tensor& x) const;
-  // Rows [0, result) of an int8 pass go through GemmInt8: the prefill rows
-  // when int8_gemm_, else none.
-  int64_t Int8GemmRows(int64_t np) const { return int8_gemm_ ? np : 0; }
+  // Int8 or int4 layers (W: kernels::QuantizedWeight or Int4Weight), np
+  // prefill rows then nd decode rows: y = h·wᵀ [R, N]; x += h·wᵀ in place;
+  // x += (silu(n·Wgᵀ)·(n·Wuᵀ))·Wdᵀ in place.
+  template <typename W>
+  at::Tensor QuantizedProject(int64_t np, int64_t nd, const at::Tensor& h, const W& w) const;
+  template <typename W>
+  void QuantizedAddInPlace(int64_t np, int64_t nd, const at::Tensor& h, const W& w,
+                           at::Tensor& x) const;
+  template <typename W>
+  void QuantizedMlp(int64_t np, int64_t nd, const W& gate_up, const W& down, const at::Tensor& n,
+                    at::Tensor& x) const;
+  // Rows [0, result) of an int8 / int4 pass go through GemmInt8 / GemmInt4:
+  // the prefill rows when quantized_gemm_, else none.
+  int64_t QuantizedGemmRows(int64_t np) const { return quantized_gemm_ ? np : 0; }
   // Load's steps: the embedding, head and final norm by the tie rule; the
   // layers' projection form; the LM head in the form the layers use.
   absl::Status LoadEmbeddingAndNorm(const std::string& prefix, std::string* tie_rule,
@@ -262,6 +285,7 @@ class Decoder {
   at::Tensor embed_tokens_;  // [vocab, hidden] compute dtype
   at::Tensor lm_head_;       // [vocab, hidden]: embed_tokens_ itself when tied
   kernels::QuantizedWeight lm_head8_;  // int8 copy of lm_head_ (int8_lm_head), else empty
+  kernels::Int4Weight lm_head4_;       // int4 copy of lm_head_ (int4_lm_head), else empty
   // The LM head packed for kernels::Gemm when the layers are packed or int8
   // and a blocked GEMM path exists (packed at Load; the dense head's mapped
   // pages are released): Gemm reads each head weight once for every row of a
@@ -271,7 +295,7 @@ class Decoder {
   at::Tensor final_norm_;    // [hidden]
   bool tied_ = true;
   bool use_gemv_ = false;
-  bool int8_gemm_ = false;  // int8 prefill rows through GemmInt8
+  bool quantized_gemm_ = false;  // int8 / int4 prefill rows through GemmInt8 / GemmInt4
   uint64_t embedding_bytes_ = 0;
   std::string load_summary_;
 };

@@ -146,6 +146,10 @@ uint64_t ProjectionBytes(ProjectionForm form, int64_t n, int64_t k, bool gate_up
     }
     case ProjectionForm::kInt8:
       return outs * static_cast<uint64_t>((k + 63) / 64 * 64) + outs * sizeof(float);
+    case ProjectionForm::kInt4: {  // nibbles, f32 row scale, f16 ratio + u8 zero per group
+      const uint64_t groups = static_cast<uint64_t>((k + kernels::kInt4Group - 1) / kernels::kInt4Group);
+      return outs * (groups * (kernels::kInt4Group / 2 + 3) + sizeof(float));
+    }
   }
   return 0;
 }
@@ -162,6 +166,9 @@ uint64_t HeldBytes(const DecoderLayerWeights& w) {
   for (const kernels::QuantizedWeight* q : {&w.qkv8, &w.o8, &w.gate_up8, &w.down8}) {
     if (!q->empty()) total += q->bytes();
   }
+  for (const kernels::Int4Weight* q : {&w.qkv4, &w.o4, &w.gate_up4, &w.down4}) {
+    if (!q->empty()) total += q->bytes();
+  }
   return total;
 }
 
@@ -175,6 +182,8 @@ const char* ProjectionFormName(ProjectionForm form) {
       return "packed";
     case ProjectionForm::kInt8:
       return "int8";
+    case ProjectionForm::kInt4:
+      return "int4";
   }
   return "?";
 }
@@ -353,6 +362,14 @@ absl::Status LayerStore::Convert(int layer, DecoderLayerWeights& w) const {
       p = kernels::PackedWeight::Pack(w.down_proj);
       if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
       w.down = *std::move(p);
+    } else if (options_.form == ProjectionForm::kInt4) {
+      kernels::Int4Weight* dst[] = {&w.qkv4, &w.o4, &w.gate_up4, &w.down4};
+      const at::Tensor src[] = {qkv, w.o_proj, at::cat({w.gate_proj, w.up_proj}, 0), w.down_proj};
+      for (int i = 0; i < 4; ++i) {
+        absl::StatusOr<kernels::Int4Weight> q = kernels::QuantizeInt4(src[i]);
+        if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+        *dst[i] = *std::move(q);
+      }
     } else {
       absl::StatusOr<kernels::QuantizedWeight> q = kernels::QuantizeInt8(qkv);
       if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());

@@ -11,7 +11,7 @@
 // used unpinned layer is dropped (MADV_DONTNEED of its pages, or its converted
 // copies freed). Values never change with residency, only where they are read
 // from, so outputs are identical with and without a bound. With
-// options.form packed or int8 the projections are converted after the page-in
+// options.form packed, int8 or int4 the projections are converted after the page-in
 // and their dense pages released, so a dropped layer is converted again on its
 // next use.
 //
@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/quantize.h"
+#include "common/kernels/quantize_int4.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
 
@@ -89,8 +90,12 @@ enum class ProjectionForm {
   // kernels::GemvInt8 (qkv8, o8, gate_up8, down8 below); dense tensors
   // released as for kPacked.
   kInt8,
+  // bf16 compute only: 4-bit groups of 32 with zero points (quantize_int4.h)
+  // for kernels::GemvInt4 / GemmInt4 (qkv4, o4, gate_up4, down4 below); dense
+  // tensors released as for kPacked.
+  kInt4,
 };
-const char* ProjectionFormName(ProjectionForm form);  // "dense", "packed", "int8"
+const char* ProjectionFormName(ProjectionForm form);  // "dense", "packed", "int8", "int4"
 
 // One Qwen3 decoder layer (spec §2 names, [out, in] layouts).
 struct DecoderLayerWeights {
@@ -111,6 +116,8 @@ struct DecoderLayerWeights {
   // ProjectionForm::kInt8: q|k|v and gate|up concatenated along the output
   // (per-channel scales make that identical to separate weights).
   kernels::QuantizedWeight qkv8, o8, gate_up8, down8;
+  // ProjectionForm::kInt4: concatenated as for kInt8 (scales are per row and group).
+  kernels::Int4Weight qkv4, o4, gate_up4, down4;
 };
 
 struct LayerStoreOptions {
@@ -122,7 +129,7 @@ struct LayerStoreOptions {
   // Layers the background thread prepares ahead of the one acquired; 0 turns
   // the thread off.
   int prefetch_layers = 1;
-  // What materialization makes of the projections (kPacked / kInt8 need a
+  // What materialization makes of the projections (kPacked / kInt8 / kInt4 need a
   // bf16 compute dtype: Create rejects them otherwise).
   ProjectionForm form = ProjectionForm::kDense;
 };
