@@ -47,9 +47,6 @@ ABSL_FLAG(int64_t, attention_query_tile, 1024,
 ABSL_FLAG(int, intra_op_threads, 0,
           "compute threads per encode worker (kernels and LibTorch); 0 = the cores this "
           "process may use (CPU affinity, capped by a cgroup cpu.max quota)");
-ABSL_FLAG(bool, vision_kernels, true,
-          "bf16 ViT through the project's kernels (packed GEMM, flash attention) where the CPU "
-          "has AVX-512 BF16; false: LibTorch for every step");
 ABSL_FLAG(int, encode_workers, 1, "ViT encodes running at once");
 ABSL_FLAG(int, encode_queue_size, 16,
           "encodes waiting for a worker; more are refused with RESOURCE_EXHAUSTED");
@@ -179,7 +176,6 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
   absl::StatusOr<ComputeDType> dtype = ParseComputeDType(absl::GetFlag(FLAGS_compute_dtype));
   if (!dtype.ok()) return absl::InvalidArgumentError("--" + std::string(dtype.status().message()));
   c.compute_dtype = *dtype;
-  c.use_kernels = absl::GetFlag(FLAGS_vision_kernels);
   c.attention_query_tile = absl::GetFlag(FLAGS_attention_query_tile);
   c.intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
   if (c.intra_op_threads == 0) c.intra_op_threads = UsableCores();
@@ -213,13 +209,13 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
 
 std::string VisionServiceConfig::Describe() const {
   return absl::StrFormat(
-      "model_dir=%s compute_dtype=%s vision_kernels=%d attention_query_tile=%d intra_op_threads=%d "
+      "model_dir=%s compute_dtype=%s attention_query_tile=%d intra_op_threads=%d "
       "encode_workers=%d encode_queue_size=%d warmup_runs=%d max_encoded_bytes=%d "
       "max_decoded_pixels=%d min_image_side=%d min_pixels_limit=%d max_pixels_limit=%d "
       "default_max_pixels=%d "
       "max_response_bytes=%d cache_max_bytes=%d cache_max_entries=%d cache_ttl=%s cache_dir=%s cache_disk_max_bytes=%d "
       "replica=%s",
-      model_dir, ComputeDTypeName(compute_dtype), use_kernels, attention_query_tile, intra_op_threads,
+      model_dir, ComputeDTypeName(compute_dtype), attention_query_tile, intra_op_threads,
       encode_workers, encode_queue_size, warmup_runs, decode_limits.max_encoded_bytes,
       decode_limits.max_decoded_pixels, min_image_side, min_pixels_limit, max_pixels_limit,
       default_max_pixels,
@@ -625,7 +621,6 @@ absl::Status VisionService::LoadWeights(const ModelConfig& model_config) {
     VisionModelOptions model_options;
     model_options.compute_dtype = c.compute_dtype;
     model_options.attention_query_tile = c.attention_query_tile;
-    model_options.use_kernels = c.use_kernels;
     absl::StatusOr<std::unique_ptr<VisionModel>> model =
         VisionModel::Load(*checkpoint_, model_config, model_options);
     if (!model.ok()) return model.status();
@@ -998,6 +993,30 @@ grpc::Status VisionService::Encode(grpc::ServerContext* context, const v1::Encod
   if (!outcome.ok()) return ToGrpcStatus(outcome.status());
   outcome->total_ms = MsSince(start);
   return ToGrpcStatus(FillResponse(*outcome, dtype, response));
+}
+
+absl::StatusOr<v1::ImageBudget> VisionService::ImageBudget() const {
+  if (!loaded()) return absl::UnavailableError("vision encoder is still loading");
+  const PreprocessOptions& o = default_options_;
+  v1::ImageBudget budget;
+  budget.set_default_min_pixels(o.min_pixels);
+  budget.set_default_max_pixels(o.max_pixels);
+  budget.set_min_pixels_limit(config_.min_pixels_limit);
+  budget.set_max_pixels_limit(config_.max_pixels_limit);
+  budget.set_patch_size(o.patch_size);
+  budget.set_merge_size(o.merge_size);
+  budget.set_temporal_patch_size(o.temporal_patch_size);
+  budget.set_max_aspect_ratio(config_.decode_limits.max_aspect_ratio);
+  return budget;
+}
+
+grpc::Status VisionService::GetImageBudget(grpc::ServerContext* /*context*/,
+                                           const v1::ImageBudgetRequest* /*request*/,
+                                           v1::ImageBudget* response) {
+  absl::StatusOr<v1::ImageBudget> budget = ImageBudget();
+  if (!budget.ok()) return ToGrpcStatus(budget.status());
+  *response = *std::move(budget);
+  return grpc::Status::OK;
 }
 
 // ---------------------------------------------------------------------------

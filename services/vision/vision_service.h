@@ -67,7 +67,6 @@ struct VisionServiceConfig {
   std::string model_dir;  // HF checkpoint directory (config.json, *.safetensors, preprocessor_config.json)
   ComputeDType compute_dtype = ComputeDType::kBFloat16;
   int64_t attention_query_tile = 1024;
-  bool use_kernels = true;    // VisionModelOptions::use_kernels (--vision_kernels)
   int intra_op_threads = 1;   // at::set_num_threads in every encode worker (flag default: the usable cores)
   int encode_workers = 1;     // ViT forwards running at once
   int encode_queue_size = 16; // encodes waiting for a worker; beyond: RESOURCE_EXHAUSTED
@@ -144,6 +143,13 @@ class VisionService final : public v1::VisionEncoder::Service {
 
   // The RPC's work without the wire: same validation, cache, queue and metrics.
   absl::StatusOr<EncodeOutcome> EncodeImage(const EncodeCall& call);
+
+  // The pixel budget (defaults, limits) and patch geometry a caller needs to
+  // predict an image's grid from its size; UNAVAILABLE until Load has
+  // succeeded (answered while draining: the numbers do not change).
+  grpc::Status GetImageBudget(grpc::ServerContext* context, const v1::ImageBudgetRequest* request,
+                              v1::ImageBudget* response) override;
+  absl::StatusOr<v1::ImageBudget> ImageBudget() const;
 
   EmbeddingCacheStats cache_stats() const;
   // Hex fingerprint keying the cache; valid after Load.
