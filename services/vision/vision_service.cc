@@ -53,6 +53,10 @@ ABSL_FLAG(int, encode_queue_size, 16,
 ABSL_FLAG(int, warmup_runs, 1,
           "warm-up forwards on a small generated image before health reports SERVING (>= 1)");
 ABSL_FLAG(int64_t, max_encoded_bytes, 64 << 20, "largest encoded image accepted, in bytes");
+ABSL_FLAG(bool, jpeg_scaled_decode, true,
+          "decode a JPEG far above its pixel budget at a reduced libjpeg DCT scale (n/8, still "
+          "at least twice the resized size per side) before the usual resize; false decodes "
+          "every image at full size, as the reference processor does");
 ABSL_FLAG(int64_t, max_decoded_pixels, 200'000'000,
           "largest image accepted, width x height as stored (checked from the header)");
 ABSL_FLAG(int, min_image_side, 2,
@@ -183,6 +187,7 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
   c.encode_queue_size = absl::GetFlag(FLAGS_encode_queue_size);
   c.warmup_runs = absl::GetFlag(FLAGS_warmup_runs);
   c.decode_limits.max_encoded_bytes = absl::GetFlag(FLAGS_max_encoded_bytes);
+  c.jpeg_scaled_decode = absl::GetFlag(FLAGS_jpeg_scaled_decode);
   c.decode_limits.max_decoded_pixels = absl::GetFlag(FLAGS_max_decoded_pixels);
   c.min_image_side = absl::GetFlag(FLAGS_min_image_side);
   c.min_pixels_limit = absl::GetFlag(FLAGS_min_pixels_limit);
@@ -210,13 +215,14 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
 std::string VisionServiceConfig::Describe() const {
   return absl::StrFormat(
       "model_dir=%s compute_dtype=%s attention_query_tile=%d intra_op_threads=%d "
-      "encode_workers=%d encode_queue_size=%d warmup_runs=%d max_encoded_bytes=%d "
+      "encode_workers=%d encode_queue_size=%d warmup_runs=%d max_encoded_bytes=%d jpeg_scaled_decode=%d "
       "max_decoded_pixels=%d min_image_side=%d min_pixels_limit=%d max_pixels_limit=%d "
       "default_max_pixels=%d "
       "max_response_bytes=%d cache_max_bytes=%d cache_max_entries=%d cache_ttl=%s cache_dir=%s cache_disk_max_bytes=%d "
       "replica=%s",
       model_dir, ComputeDTypeName(compute_dtype), attention_query_tile, intra_op_threads,
       encode_workers, encode_queue_size, warmup_runs, decode_limits.max_encoded_bytes,
+      jpeg_scaled_decode,
       decode_limits.max_decoded_pixels, min_image_side, min_pixels_limit, max_pixels_limit,
       default_max_pixels,
       max_response_bytes, cache.max_bytes, cache.max_entries, absl::FormatDuration(cache.ttl),
@@ -646,10 +652,11 @@ absl::Status VisionService::ComputeFingerprint(const std::string& config_json) {
   if (!component.ok()) return component.status();
   fingerprint_ = Sha256Hex(absl::StrFormat(
       "vlm-vision-features v1\nweights %s\npreprocess patch=%d merge=%d temporal=%d "
-      "rescale=%.17g mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g\ncompute %s\n",
+      "rescale=%.17g mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g%s\ncompute %s\n",
       *component, options.patch_size, options.merge_size, options.temporal_patch_size,
       options.rescale_factor, options.image_mean[0], options.image_mean[1], options.image_mean[2],
       options.image_std[0], options.image_std[1], options.image_std[2],
+      config_.jpeg_scaled_decode ? " jpeg_scaled_decode=2x" : "",
       ComputeDTypeName(model_->compute_dtype())));
 
   return absl::OkStatus();
@@ -771,29 +778,46 @@ absl::StatusOr<FeaturesPtr> VisionService::Compute(std::string_view bytes,
                                                    const CacheKeyContext& key_context,
                                                    PixelKeyProbe* probe, absl::Time deadline,
                                                    EncodeOutcome* outcome) const {
-  // decode (limits from the header first)
+  // decode (limits from the header first); a JPEG far above its budget at a
+  // reduced DCT scale, still twice the resized size per side
+  const int64_t factor = int64_t{options.patch_size} * options.merge_size;
+  DecodeSizeHint min_size;
+  if (config_.jpeg_scaled_decode) {
+    min_size = [&](int64_t width, int64_t height) -> std::pair<int64_t, int64_t> {
+      absl::StatusOr<ImageSize> size =
+          SmartResize(height, width, factor, options.min_pixels, options.max_pixels);
+      if (!size.ok()) return {width, height};
+      return {std::min(width, 2 * size->width), std::min(height, 2 * size->height)};
+    };
+  }
   auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<DecodedImage> decoded = DecodeImage(Absl(bytes), config_.decode_limits);
+  absl::StatusOr<DecodedImage> decoded = DecodeImage(Absl(bytes), config_.decode_limits, min_size);
   if (!decoded.ok()) return decoded.status();
   const RgbImage& image = decoded->image;
+  const int64_t width = decoded->source_width, height = decoded->source_height;
   outcome->decode_ms = MsSince(start);
-  if (image.width < config_.min_image_side || image.height < config_.min_image_side) {
+  if (width < config_.min_image_side || height < config_.min_image_side) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "image is ", image.width, "x", image.height, " pixels; min_image_side is ",
+        "image is ", width, "x", height, " pixels; min_image_side is ",
         config_.min_image_side, " (--min_image_side=1 accepts it and upscales like HF)"));
   }
   // Size checks before anything is cached or computed (aspect ratio, response size).
-  const int64_t factor = int64_t{options.patch_size} * options.merge_size;
   absl::StatusOr<ImageSize> size =
-      SmartResize(image.height, image.width, factor, options.min_pixels, options.max_pixels);
+      SmartResize(height, width, factor, options.min_pixels, options.max_pixels);
   if (!size.ok()) return size.status();
   const int64_t patches = (size->height / options.patch_size) * (size->width / options.patch_size);
   if (absl::Status s = CheckResponseFits(patches, feature_dtype_size_); !s.ok()) return s;
 
-  // the same picture in another container?
+  // the same picture in another container? (A reduced-scale decode is keyed
+  // with its stored size too: that size decides the grid.)
   if (probe != nullptr) {
+    CacheKeyContext pixel_context = key_context;
+    if (decoded->scale_num != 8) {
+      absl::StrAppend(&pixel_context.model_fingerprint, " decoded at ", decoded->scale_num,
+                      "/8 of ", width, "x", height);
+    }
     absl::StatusOr<FeaturesPtr> hit =
-        probe->Find(KeyForPixels(Std(image.bytes()), image.width, image.height, key_context));
+        probe->Find(KeyForPixels(Std(image.bytes()), image.width, image.height, pixel_context));
     if (!hit.ok()) return hit.status();
     if (*hit != nullptr) return *hit;
   }
@@ -803,7 +827,7 @@ absl::StatusOr<FeaturesPtr> VisionService::Compute(std::string_view bytes,
 
   // preprocess
   start = std::chrono::steady_clock::now();
-  absl::StatusOr<PreprocessResult> pre = PreprocessImage(image, options);
+  absl::StatusOr<PreprocessResult> pre = PreprocessImage(image, options, width, height);
   if (!pre.ok()) return pre.status();
   const PreprocessedImage& p = pre->patches;
   outcome->preprocess_ms = MsSince(start);

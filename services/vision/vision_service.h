@@ -73,6 +73,9 @@ struct VisionServiceConfig {
   int warmup_runs = 1;        // forwards on a generated image before SERVING
 
   DecodeLimits decode_limits;
+  // JPEGs far above their budget are decoded at a reduced DCT scale (at least
+  // twice the resized size per side; DecodeImage's min_size).
+  bool jpeg_scaled_decode = true;
   // Smallest image side accepted. HF upscales even a 1x1 image to the
   // min_pixels area; 2 (the default) rejects 1-pixel-wide images as
   // degenerate, 1 restores the reference's behaviour.
