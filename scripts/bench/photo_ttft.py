@@ -6,8 +6,9 @@
 
 Starts vlm-vision, vlm-language and vlm-gateway on loopback (default flags, as
 serve.sh starts them, plus vision --max_pixels_limit=1048576 so that detail
-"high" means 1 MP, and no gateway deadline), then sends 4000x3000 JPEGs through the OpenAI HTTP API
-with max_tokens 1, each picture new to the vision cache (cold):
+"high" means 1 MP, and no gateway deadline), then sends 4000x3000 JPEGs
+through the OpenAI HTTP API with max_tokens 1, each picture new to the vision
+cache (cold):
 
     default   no options: the service's default budget (0.75 MP)
     low       detail "low" (512x512 budget)
