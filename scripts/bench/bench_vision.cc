@@ -152,7 +152,9 @@ double PeakFlops(int threads) {
   if (!vlm::GetCpuFeatures().avx512bf16) return 0;
   vlm::bench::PeakAvx512Bf16(threads, 2'000'000);  // warm-up (clocks, threads)
   double best = 0;
-  for (int i = 0; i < 3; ++i) best = std::max(best, vlm::bench::PeakAvx512Bf16(threads, 20'000'000));
+  for (int i = 0; i < 3; ++i) {
+    best = std::max(best, vlm::bench::PeakAvx512Bf16(threads, 20'000'000));
+  }
   return best * 1e9;
 }
 

@@ -58,7 +58,8 @@ def metrics(url):
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     values = {}
     for line in text.splitlines():
-        m = re.match(r"^(vlm_vision_(?:decode|preprocess|encode)_seconds_(?:sum|count))(?:\{[^}]*\})? (\S+)", line)
+        m = re.match(r"^(vlm_vision_(?:decode|preprocess|encode)_seconds_(?:sum|count))"
+                     r"(?:\{[^}]*\})? (\S+)", line)
         if m:
             values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
     return values
@@ -89,7 +90,7 @@ class Stack:
             except Exception:
                 pass
             if time.time() > deadline:
-                raise RuntimeError("the stack did not become SERVING within 30 min; logs in " + work)
+                raise RuntimeError("not SERVING within 30 min; logs in " + work)
             time.sleep(0.5)
 
     def start(self, name, binary, args):
@@ -166,11 +167,13 @@ def ask(stack, jpeg, detail):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model_dir", default=os.path.join(
         os.environ.get("VLM_CACHE_DIR", os.path.expanduser("~/.cache/vlm")), "checkpoints", "2b"))
     ap.add_argument("--build_dir", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--runs", type=int, default=1, help="cold requests per row (each a new picture)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="cold requests per row (each a new picture)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the services' default)")
     ap.add_argument("--keep", action="store_true", help="keep the logs' folder")
     args = ap.parse_args()

@@ -311,9 +311,10 @@ absl::StatusOr<v1::ImageBudget> VisionRouter::ImageBudget(absl::Time deadline) c
       smallest = budget;
       continue;
     }
-    smallest->set_default_min_pixels(std::min(smallest->default_min_pixels(), budget->default_min_pixels()));
-    smallest->set_default_max_pixels(std::min(smallest->default_max_pixels(), budget->default_max_pixels()));
-    smallest->set_max_pixels_limit(std::min(smallest->max_pixels_limit(), budget->max_pixels_limit()));
+    v1::ImageBudget& s = *smallest;
+    s.set_default_min_pixels(std::min(s.default_min_pixels(), budget->default_min_pixels()));
+    s.set_default_max_pixels(std::min(s.default_max_pixels(), budget->default_max_pixels()));
+    s.set_max_pixels_limit(std::min(s.max_pixels_limit(), budget->max_pixels_limit()));
   }
   if (!smallest) {
     return absl::UnavailableError(absl::StrCat(
