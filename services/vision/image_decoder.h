@@ -77,8 +77,8 @@ using DecodeSizeHint = std::function<std::pair<int64_t, int64_t>(int64_t width, 
 // Decodes `bytes` (a whole JPEG, PNG or WebP file) to RGB. With `min_size`, a
 // JPEG is decoded at the smallest libjpeg DCT scale n/8 (n = 1..8) that still
 // gives at least min_size(width, height): a 12 MP photo headed for a 0.75 MP
-// budget is decoded at a quarter of the work (the DCT scaling is a proper
-// low-pass, the image is then resized as usual). Other formats decode at full
+// budget is decoded at 5/8 scale, 39% of the pixels (the DCT scaling is a
+// proper low-pass; the image is then resized as usual). Other formats decode at full
 // size. Limits apply to the stored size.
 absl::StatusOr<DecodedImage> DecodeImage(absl::string_view bytes,
                                          const DecodeLimits& limits = DecodeLimits(),
