@@ -1,22 +1,24 @@
 // vlm-bench-vision: the vision encoder on a real-shape checkpoint.
 //
-//   vlm-bench-vision --model_dir=DIR [--bench_threads=2] [--bench_runs=5]
-//                    [--bench_sizes=448,1024,1448] [--bench_hit_requests=50]
-//                    [--bench_libtorch_path=false]
+//   vlm-bench-vision --model_dir=DIR [--bench_threads=2] [--bench_runs=3]
+//                    [--bench_sizes=448x448,1024x768,1024x1024,1448x1448]
+//                    [--bench_old_path=true] [--bench_hit_requests=50]
 //                    [--compute_dtype=bfloat16] (and every vlm-vision flag)
 //
-// Prints one table:
-//   - encode time per image size (median of --bench_runs in-process calls,
-//     after one warm-up call): preprocessing and the ViT forward separately,
-//     the forward both through the project's kernels (the service's model,
-//     --vision_kernels) and through the previous LibTorch path (a second model
-//     loaded with use_kernels=false), interleaved run by run;
+// Prints:
+//   - encode time per image size (448^2, 0.75 MP, 1 MP, 2 MP by default; each
+//     image at its own size; median of --bench_runs in-process calls after one
+//     warm-up): preprocessing, and the ViT forward both on the service's path
+//     (new: common/kernels, packed GEMM + flash attention over each image) and
+//     on the LibTorch path (old: a second model loaded while the process's GEMM
+//     path is torch: at::linear and tiled attention), interleaved run by run;
 //   - the ViT's FLOPs from the shapes (patch embed; per block qkv, attention
-//     scores and values, proj, MLP) and the compute bound = FLOPs / the
-//     machine's bf16 matmul FLOP/s, measured with at::matmul in the same run
-//     on the same threads just before and after each row (the machine may be
-//     shared: the rate is taken under the same conditions as the encodes);
-//     ratio = forward time / bound;
+//     scores and values, proj, MLP), attention's share of them, and the bound =
+//     FLOPs / the VDPBF16PS peak (scripts/bench/peak_bf16.h, a register-only
+//     loop on the same threads) measured just before and after each row;
+//   - the attention alone: the flash kernel on the row's [patches, heads,
+//     head_dim] times depth, its share of the new ViT time, and its rate as a
+//     fraction of the same peak;
 //   - cache-hit latency of Encode through a real gRPC server on loopback
 //     (same bytes -> MEMORY hit; content_hash alone), median and p90;
 //   - resident memory after loading and the peak.
@@ -40,6 +42,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "common/cpu_features.h"
+#include "common/kernels/flash_attention.h"
+#include "common/kernels/gemm.h"
 #include "common/flags.h"
 #include "common/metrics.h"
 #include "common/model_config.h"
@@ -50,30 +54,22 @@
 #include "services/vision/preprocess.h"
 #include "services/vision/vision_model.h"
 #include "services/vision/vision_service.h"
+#include "scripts/bench/peak_bf16.h"
 #include "vlm/v1/vision.grpc.pb.h"
 #include "scripts/bench/bench_util.h"
 
 ABSL_FLAG(int, bench_threads, 2, "intra-op threads for the matmul bound and the encodes");
-ABSL_FLAG(int, bench_runs, 5, "timed encodes per size (after one warm-up); the median is shown");
-ABSL_FLAG(std::string, bench_sizes, "448,1024,1448",
-          "square image sides to encode, each at its own size (448^2, 1 MP, 2 MP by default; "
-          "the budget is the side^2, up to the server's max_pixels_limit)");
-ABSL_FLAG(bool, bench_libtorch_path, true,
+ABSL_FLAG(int, bench_runs, 3, "timed encodes per size (after one warm-up); the median is shown");
+ABSL_FLAG(std::string, bench_sizes, "448x448,1024x768,1024x1024,1448x1448",
+          "images to encode (WIDTHxHEIGHT or SIDE), each at its own size (448^2, 0.75 MP, 1 MP, "
+          "2 MP by default; the budget is the area, up to the server's max_pixels_limit)");
+ABSL_FLAG(bool, bench_old_path, true,
           "also time the LibTorch path (a second model) for comparison; false halves the run");
 ABSL_FLAG(int, bench_hit_requests, 50, "gRPC cache-hit requests timed per kind");
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// CPU time of the calling thread: with --bench_threads=1 every step of both
-// paths runs on this thread, and time spent descheduled (a shared machine)
-// does not count.
-double ThreadCpuNow() {
-  timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return t.tv_sec + 1e-9 * t.tv_nsec;
-}
 
 double Seconds(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -89,19 +85,20 @@ double Quantile(std::vector<double> v, double q) {
 using vlm::bench::Median;
 
 // A photo-like test card: gradients plus texture, so PNG does not collapse it.
-vlm::vision::RgbImage TestImage(int side, int seed) {
+vlm::vision::RgbImage TestImage(int width, int height, int seed) {
   vlm::vision::RgbImage image;
-  image.width = image.height = side;
-  image.pixels.resize(static_cast<size_t>(side) * side * 3);
+  image.width = width;
+  image.height = height;
+  image.pixels.resize(static_cast<size_t>(width) * height * 3);
   uint32_t state = 2463534242u + seed;
-  for (int y = 0; y < side; ++y) {
-    for (int x = 0; x < side; ++x) {
+  for (int y = 0; y < height; ++y) {
+    for (int x = 0; x < width; ++x) {
       state ^= state << 13;
       state ^= state >> 17;
       state ^= state << 5;
-      uint8_t* p = &image.pixels[(static_cast<size_t>(y) * side + x) * 3];
-      p[0] = static_cast<uint8_t>(x * 255 / side);
-      p[1] = static_cast<uint8_t>(y * 255 / side);
+      uint8_t* p = &image.pixels[(static_cast<size_t>(y) * width + x) * 3];
+      p[0] = static_cast<uint8_t>(x * 255 / width);
+      p[1] = static_cast<uint8_t>(y * 255 / height);
       p[2] = static_cast<uint8_t>(((x / 8 + y / 8) & 1) * 128 + (state & 63));
     }
   }
@@ -145,24 +142,38 @@ VitFlops CountFlops(const vlm::VisionConfig& c, int64_t patch_dim, double n) {
   return f;
 }
 
-// The machine's bf16 matmul rate on the current threads: best of a few GEMM
-// shapes the ViT runs (1024^3; the MLP's 4096x1024x4096).
-double MeasureMatmulFlops(at::ScalarType dtype) {
-  const auto opts = at::TensorOptions().dtype(dtype);
+// The VDPBF16PS peak on `threads` threads (GFLOP/s as FLOP/s); 0 where the
+// CPU has no AVX-512 BF16.
+double PeakFlops(int threads) {
+  if (!vlm::GetCpuFeatures().avx512bf16) return 0;
+  vlm::bench::PeakAvx512Bf16(threads, 2'000'000);  // warm-up (clocks, threads)
   double best = 0;
-  for (auto [m, k, n] : {std::array<int64_t, 3>{1024, 1024, 1024},
-                         std::array<int64_t, 3>{4096, 1024, 4096}}) {
-    at::Tensor a = at::randn({m, k}, opts), b = at::randn({k, n}, opts);
-    at::matmul(a, b);  // warm-up (oneDNN primitive creation)
-    std::vector<double> times;
-    for (int i = 0; i < 7; ++i) {
-      const auto t0 = Clock::now();
-      at::Tensor c = at::matmul(a, b);
-      times.push_back(Seconds(t0));
-    }
-    best = std::max(best, 2.0 * m * k * n / Median(times));
+  for (int i = 0; i < 3; ++i) {
+    best = std::max(best, vlm::bench::PeakAvx512Bf16(threads, 20'000'000));
   }
-  return best;
+  return best * 1e9;
+}
+
+// Seconds of one flash-attention call over one image of `n` patches (the
+// ViT's shapes, random bf16 q, k, v; median of 3 after a warm-up); 0 where the
+// kernel does not run.
+double FlashAttentionSeconds(const vlm::VisionConfig& c, int64_t n, int threads) {
+  if (!vlm::kernels::FlashAttentionSupported()) return 0;
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16);
+  const at::Tensor q = at::randn({n, c.num_heads, c.head_dim()}, opts);
+  const at::Tensor k = at::randn({n, c.num_heads, c.head_dim()}, opts);
+  const at::Tensor v = at::randn({n, c.num_heads, c.head_dim()}, opts);
+  const std::vector<int64_t> segments = {0, n};
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim()));
+  std::vector<double> times;
+  for (int i = 0; i < 4; ++i) {
+    const auto t0 = Clock::now();
+    absl::StatusOr<at::Tensor> out =
+        vlm::kernels::SegmentedFlashAttention(q, k, v, segments, scale, threads);
+    if (!out.ok()) return 0;
+    if (i > 0) times.push_back(Seconds(t0));
+  }
+  return Median(times);
 }
 
 std::string Mib(int64_t bytes) {
@@ -178,14 +189,17 @@ int main(int argc, char** argv) {
   vlm::ParseCommandLine(argc, argv, "vlm-bench-vision: ViT encode time vs the matmul bound");
   const int threads = absl::GetFlag(FLAGS_bench_threads);
   const int runs = std::max(1, absl::GetFlag(FLAGS_bench_runs));
-  std::vector<int> sizes;
+  std::vector<std::pair<int, int>> sizes;  // width, height
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_bench_sizes), ',')) {
-    int side = 0;
-    if (!absl::SimpleAtoi(s, &side) || side < 32) {
-      std::fprintf(stderr, "bad --bench_sizes entry \"%s\"\n", std::string(s).c_str());
+    std::vector<absl::string_view> wh = absl::StrSplit(s, 'x');
+    int w = 0, h = 0;
+    if (wh.size() > 2 || !absl::SimpleAtoi(wh[0], &w) ||
+        !absl::SimpleAtoi(wh.size() == 2 ? wh[1] : wh[0], &h) || w < 32 || h < 32) {
+      std::fprintf(stderr, "bad --bench_sizes entry \"%s\" (WIDTHxHEIGHT or SIDE, >= 32)\n",
+                   std::string(s).c_str());
       return 2;
     }
-    sizes.push_back(side);
+    sizes.emplace_back(w, h);
   }
   absl::StatusOr<vlm::vision::VisionServiceConfig> config =
       vlm::vision::VisionServiceConfig::FromFlags();
@@ -212,8 +226,6 @@ int main(int argc, char** argv) {
   const double load_s = Seconds(load_start);
   const vlm::ProcessMemory after_load = vlm::ReadProcessMemory().value_or(vlm::ProcessMemory{});
   const vlm::VisionModel& model = *service.model();
-  const at::ScalarType dtype =
-      model.compute_dtype() == vlm::ComputeDType::kBFloat16 ? at::kBFloat16 : at::kFloat;
 
   std::printf("vlm-bench-vision\n");
   std::printf("model %s\ncpu: %s\ncompute %s, %d intra-op thread(s), median of %d run(s) after 1 "
@@ -221,7 +233,8 @@ int main(int argc, char** argv) {
               config->model_dir.c_str(), vlm::GetCpuFeatures().Describe().c_str(),
               vlm::ComputeDTypeName(model.compute_dtype()), threads, runs);
   std::printf("load + warm-up %.2f s; %s\n", load_s, model.load_summary().c_str());
-  // The previous path, for comparison: same checkpoint, LibTorch for every step.
+  // The previous path, for comparison: same checkpoint, LibTorch for every
+  // step (what the model does when the process's GEMM path is torch at Load).
   absl::StatusOr<std::unique_ptr<vlm::SafetensorsCheckpoint>> checkpoint =
       vlm::SafetensorsCheckpoint::Open(config->model_dir);
   absl::StatusOr<vlm::ModelConfig> model_config = vlm::LoadModelConfig(config->model_dir);
@@ -230,75 +243,85 @@ int main(int argc, char** argv) {
                  (!checkpoint.ok() ? checkpoint.status() : model_config.status()).ToString().c_str());
     return 1;
   }
-  const bool compare = absl::GetFlag(FLAGS_bench_libtorch_path);
-  vlm::VisionModelOptions old_options;
-  old_options.compute_dtype = config->compute_dtype;
-  old_options.attention_query_tile = config->attention_query_tile;
-  old_options.use_kernels = false;
-  absl::StatusOr<std::unique_ptr<vlm::VisionModel>> old_model =
-      compare ? vlm::VisionModel::Load(**checkpoint, *model_config, old_options)
-              : absl::StatusOr<std::unique_ptr<vlm::VisionModel>>(nullptr);
-  if (!old_model.ok()) {
-    std::fprintf(stderr, "load (LibTorch path): %s\n", old_model.status().ToString().c_str());
-    return 1;
+  const bool compare = absl::GetFlag(FLAGS_bench_old_path);
+  std::unique_ptr<vlm::VisionModel> old_model;
+  if (compare) {
+    const vlm::kernels::GemmPath path = vlm::kernels::DefaultGemmPath();
+    vlm::VisionModelOptions old_options;
+    old_options.compute_dtype = config->compute_dtype;
+    old_options.attention_query_tile = config->attention_query_tile;
+    absl::Status set = vlm::kernels::SetDefaultGemmPath(vlm::kernels::GemmPath::kTorch);
+    absl::StatusOr<std::unique_ptr<vlm::VisionModel>> loaded =
+        set.ok() ? vlm::VisionModel::Load(**checkpoint, *model_config, old_options)
+                 : absl::StatusOr<std::unique_ptr<vlm::VisionModel>>(set);
+    (void)vlm::kernels::SetDefaultGemmPath(path);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "load (LibTorch path): %s\n", loaded.status().ToString().c_str());
+      return 1;
+    }
+    old_model = std::move(*loaded);
   }
   std::printf(compare ? "new = %s; old = LibTorch (at::linear, tiled attention)\n"
-                      : "new = %s; old = not run (--bench_libtorch_path=false)\n",
-              model.uses_kernels() ? "project kernels (packed GEMM, flash attention)"
+                      : "new = %s; old = not run (--bench_old_path=false)\n",
+              model.uses_kernels() ? "project kernels (packed GEMM, flash attention per image)"
                                    : "LibTorch too (kernels not in use here)");
-  std::printf("bound = ViT FLOPs / the %s matmul rate (at::matmul, best of 1024^3 and "
-              "4096x1024x4096),\n        measured just before and after each row's encodes "
-              "(mean; the machine is shared)\n\n",
-              at::toString(dtype));
+  std::printf("bound = ViT FLOPs / the VDPBF16PS peak (peak_bf16.h register loop on the same %d "
+              "thread(s)),\n        measured just before and after each row's encodes (mean; "
+              "the machine may be shared)\n",
+              threads);
+  std::printf("attn = the flash kernel alone on [patches, %lld heads, %lld] x %lld blocks; "
+              "attn %% of new = its share of the new ViT time\n\n",
+              static_cast<long long>(model.config().num_heads),
+              static_cast<long long>(model.config().head_dim()),
+              static_cast<long long>(model.config().depth));
 
   // --- encode time per size, in-process model calls ----------------------
-  std::printf("ViT ms: wall time; cpu ms: the calling thread's CPU time (all of the work only "
-              "with --bench_threads=1)\n\n");
-  std::printf("| image | patches | GFLOP | attn %% | mm GFLOP/s | pre ms | old ViT ms | new ViT ms | "
-              "speedup | bound ms | old/bound | new/bound | old cpu ms | new cpu ms | cpu speedup |\n");
+  std::printf("| image | patches | GFLOP | attn %% FLOP | peak GFLOP/s | pre ms | old ViT ms | "
+              "new ViT ms | speedup | bound ms | old/bound | new/bound | attn ms | attn %% of new "
+              "| attn of peak |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   struct Row {
-    int side;
+    std::string name;
     std::string png;
   };
   std::vector<Row> images;
-  for (int side : sizes) {
-    const vlm::vision::RgbImage image = TestImage(side, side);
+  for (auto [width, height] : sizes) {
+    const std::string name = absl::StrCat(width, "x", height);
+    const vlm::vision::RgbImage image = TestImage(width, height, width * 7 + height);
     // The image at its own size: the service's default budget (a CPU-sized
     // 0.75 MP) would resize the larger ones down.
     vlm::vision::PreprocessOptions options = service.default_options();
     options.max_pixels = std::max<int64_t>(
-        options.max_pixels, std::min<int64_t>(int64_t{side} * side, service.config().max_pixels_limit));
+        options.max_pixels,
+        std::min<int64_t>(int64_t{width} * height, service.config().max_pixels_limit));
     absl::StatusOr<vlm::vision::PreprocessResult> first =
         vlm::vision::PreprocessImage(image, options);
     if (!first.ok()) {
-      std::fprintf(stderr, "preprocess %d: %s\n", side, first.status().ToString().c_str());
+      std::fprintf(stderr, "preprocess %s: %s\n", name.c_str(), first.status().ToString().c_str());
       return 1;
     }
     const vlm::vision::PreprocessedImage& p = first->patches;
     at::Tensor pixels = at::from_blob(const_cast<float*>(p.pixel_values.data()),
                                       {p.num_patches(), p.patch_dim}, at::kFloat);
     const vlm::GridThw grid = {p.grid_t, p.grid_h, p.grid_w};
-    std::vector<double> pre_s, vit_s, old_s, vit_cpu, old_cpu;
-    const double matmul_before = MeasureMatmulFlops(dtype);
+    std::vector<double> pre_s, vit_s, old_s;
+    const double peak_before = PeakFlops(threads);
     for (int run = 0; run <= runs; ++run) {
       auto t0 = Clock::now();
       absl::StatusOr<vlm::vision::PreprocessResult> again =
           vlm::vision::PreprocessImage(image, options);
       const double pre = Seconds(t0);
       t0 = Clock::now();
-      double c0 = ThreadCpuNow();
       absl::StatusOr<vlm::VisionFeatures> out = model.Forward(pixels, {grid});
-      const double vit = Seconds(t0), vit_c = ThreadCpuNow() - c0;
+      const double vit = Seconds(t0);
       t0 = Clock::now();
-      c0 = ThreadCpuNow();
       absl::StatusOr<vlm::VisionFeatures> old_out =
-          compare ? (*old_model)->Forward(pixels, {grid}) : absl::StatusOr<vlm::VisionFeatures>(
-                                                               absl::UnknownError("not run"));
-      const double old_vit = Seconds(t0), old_c = ThreadCpuNow() - c0;
+          compare ? old_model->Forward(pixels, {grid})
+                  : absl::StatusOr<vlm::VisionFeatures>(absl::UnknownError("not run"));
+      const double old_vit = Seconds(t0);
       if (compare && out.ok() && !old_out.ok()) out = old_out.status();
       if (!again.ok() || !out.ok()) {
-        std::fprintf(stderr, "encode %d: %s\n", side,
+        std::fprintf(stderr, "encode %s: %s\n", name.c_str(),
                      (!again.ok() ? again.status() : out.status()).ToString().c_str());
         return 1;
       }
@@ -306,21 +329,23 @@ int main(int argc, char** argv) {
       pre_s.push_back(pre);
       vit_s.push_back(vit);
       old_s.push_back(old_vit);
-      vit_cpu.push_back(vit_c);
-      old_cpu.push_back(old_c);
     }
-    const double matmul_flops = 0.5 * (matmul_before + MeasureMatmulFlops(dtype));
+    const double attn = FlashAttentionSeconds(model.config(), p.num_patches(), threads) *
+                        static_cast<double>(model.config().depth);
+    const double peak = 0.5 * (peak_before + PeakFlops(threads));
     const VitFlops flops = CountFlops(model.config(), model.patch_dim(), p.num_patches());
-    const double bound = flops.total() / matmul_flops;
+    const double bound = peak > 0 ? flops.total() / peak : 0;
     const double vit = Median(vit_s), old_vit = Median(old_s);
-    const double vit_c = Median(vit_cpu), old_c = Median(old_cpu);
-    std::printf("| %dx%d | %lld | %.0f | %.0f%% | %.0f | %.1f | %.1f | %.1f | %.2fx | %.1f | %.2fx | %.2fx | %.0f | %.0f | %.2fx |\n",
-                side, side, static_cast<long long>(p.num_patches()), flops.total() / 1e9,
-                100 * flops.attention / flops.total(), matmul_flops / 1e9, 1e3 * Median(pre_s),
-                1e3 * old_vit, 1e3 * vit, old_vit / vit, 1e3 * bound, old_vit / bound, vit / bound,
-                1e3 * old_c, 1e3 * vit_c, old_c / vit_c);
+    auto ratio = [](double a, double b) { return b > 0 ? a / b : 0.0; };
+    std::printf("| %s | %lld | %.0f | %.0f%% | %.0f | %.1f | %.1f | %.1f | %.2fx | %.1f | %.2fx | "
+                "%.2fx | %.1f | %.0f%% | %.0f%% |\n",
+                name.c_str(), static_cast<long long>(p.num_patches()), flops.total() / 1e9,
+                100 * flops.attention / flops.total(), peak / 1e9, 1e3 * Median(pre_s),
+                1e3 * old_vit, 1e3 * vit, ratio(old_vit, vit), 1e3 * bound, ratio(old_vit, bound),
+                ratio(vit, bound), 1e3 * attn, 100 * ratio(attn, vit),
+                100 * ratio(flops.attention / attn, peak));
     std::fflush(stdout);
-    images.push_back({side, EncodePng(image)});
+    images.push_back({name, EncodePng(image)});
   }
   const vlm::ProcessMemory after_encodes = vlm::ReadProcessMemory().value_or(vlm::ProcessMemory{});
 
@@ -361,7 +386,7 @@ int main(int argc, char** argv) {
     grpc::Status s = call(by_bytes, &response);
     const double miss = Seconds(t0);
     if (!s.ok()) {
-      std::fprintf(stderr, "miss %d: %s\n", row.side, s.error_message().c_str());
+      std::fprintf(stderr, "miss %s: %s\n", row.name.c_str(), s.error_message().c_str());
       return 1;
     }
     const double reply_mib = response.ByteSizeLong() / 1048576.0;
@@ -372,7 +397,7 @@ int main(int argc, char** argv) {
       hit.push_back(Seconds(t0));
       server_ms.push_back(response.timings().total_ms());
       if (!s.ok() || response.cache() != vlm::v1::CACHE_LEVEL_MEMORY) {
-        std::fprintf(stderr, "hit %d: %s\n", row.side, s.error_message().c_str());
+        std::fprintf(stderr, "hit %s: %s\n", row.name.c_str(), s.error_message().c_str());
         return 1;
       }
       t0 = Clock::now();
@@ -380,7 +405,7 @@ int main(int argc, char** argv) {
       hash.push_back(Seconds(t0));
       if (!s.ok()) return 1;
     }
-    std::printf("%4dx%-6d %9.1f %12.1f %10.2f %10.2f %12.2f %12.3f\n", row.side, row.side,
+    std::printf("%-11s %9.1f %12.1f %10.2f %10.2f %12.2f %12.3f\n", row.name.c_str(),
                 reply_mib, 1e3 * miss, 1e3 * Quantile(hit, 0.5), 1e3 * Quantile(hit, 0.9),
                 1e3 * Quantile(hash, 0.5), Quantile(server_ms, 0.5));
   }

@@ -230,6 +230,29 @@ absl::Time ChatPipeline::Deadline(const ChatCall& call, absl::Time start) const 
   return deadline;
 }
 
+// The image cost estimate (validation.h) at the vision service's own budget;
+// without a budget (no replica answered GetImageBudget) no estimate is made
+// and the vision service alone decides.
+absl::Status ChatPipeline::CheckImageCost(const v1::ChatRequest& request,
+                                          absl::Time deadline) const {
+  bool inline_image = false;
+  for (const v1::ChatMessage& message : request.messages()) {
+    for (const v1::ContentPart& part : message.content()) {
+      inline_image |= part.has_image() && part.image().source_case() == v1::ImagePart::kData;
+    }
+  }
+  if (!inline_image || router_ == nullptr) return absl::OkStatus();
+  ImageCostModel model = options_.limits.image_cost;
+  absl::StatusOr<v1::ImageBudget> budget =
+      router_->ImageBudget(std::min(deadline, absl::Now() + absl::Seconds(2)));
+  absl::Status applied = budget.ok() ? ApplyImageBudget(*budget, &model) : budget.status();
+  if (!applied.ok()) {
+    LogWarning("gateway", "no image cost estimate", {{"reason", std::string(applied.message())}});
+    return absl::OkStatus();
+  }
+  return gateway::CheckImageCost(request, model, deadline - absl::Now());
+}
+
 // Readiness, validation, then a slot (or RESOURCE_EXHAUSTED / the caller's
 // cancellation or deadline while queued).
 absl::StatusOr<Admission::Permit> ChatPipeline::Admit(const ChatCall& call,
@@ -244,8 +267,7 @@ absl::StatusOr<Admission::Permit> ChatPipeline::Admit(const ChatCall& call,
     metrics.rejected.Add({{"reason", "invalid_argument"}}).Increment();
     return s;
   }
-  if (absl::Status s = CheckImageCost(request, options_.limits.image_cost, deadline - absl::Now());
-      !s.ok()) {
+  if (absl::Status s = CheckImageCost(request, deadline); !s.ok()) {
     metrics.rejected.Add({{"reason", absl::IsDeadlineExceeded(s) ? "deadline" : "invalid_argument"}})
         .Increment();
     return s;

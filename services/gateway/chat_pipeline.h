@@ -153,6 +153,7 @@ class ChatPipeline {
   absl::Time Deadline(const ChatCall& call, absl::Time start) const;
   absl::StatusOr<Admission::Permit> Admit(const ChatCall& call, const v1::ChatRequest& request,
                                           absl::Time deadline) const;
+  absl::Status CheckImageCost(const v1::ChatRequest& request, absl::Time deadline) const;
   grpc::Status EncodeImages(const ChatCall& call, const v1::ChatRequest& request,
                             absl::Time deadline, const std::string& request_id,
                             std::vector<ImageJob>* jobs, std::vector<v1::ImageResult>* images,

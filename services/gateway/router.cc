@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -135,6 +136,9 @@ struct VisionRouter::Replica {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::VisionEncoder::Stub> stub;
   std::unique_ptr<HealthWatch> watch;  // destroyed first: its thread uses nothing else here
+  absl::Mutex budget_mu;
+  std::optional<v1::ImageBudget> budget ABSL_GUARDED_BY(budget_mu);
+  absl::Time budget_time ABSL_GUARDED_BY(budget_mu);  // when it was fetched
 };
 
 VisionRouter::VisionRouter(VisionRouterOptions options, std::function<void()> on_health_change)
@@ -275,6 +279,49 @@ std::vector<BackendState> VisionRouter::Replicas() const {
   std::vector<BackendState> states;
   for (const auto& [name, replica] : replicas_) states.push_back(replica->watch->state());
   return states;
+}
+
+absl::StatusOr<v1::ImageBudget> VisionRouter::ImageBudget(absl::Time deadline) const {
+  std::optional<v1::ImageBudget> smallest;
+  std::string errors;
+  for (const auto& replica : Order("")) {
+    std::optional<v1::ImageBudget> budget;
+    {
+      absl::MutexLock lock(&replica->budget_mu);
+      if (replica->budget && absl::Now() - replica->budget_time < options_.budget_ttl) {
+        budget = replica->budget;
+      }
+    }
+    if (!budget) {
+      std::unique_ptr<grpc::ClientContext> context = BackendContext(nullptr, deadline, "");
+      v1::ImageBudget answer;
+      const grpc::Status status =
+          replica->stub->GetImageBudget(context.get(), v1::ImageBudgetRequest(), &answer);
+      if (!status.ok()) {
+        absl::StrAppend(&errors, errors.empty() ? "" : "; ", replica->name, ": ",
+                        GrpcCodeName(status.error_code()), " ", status.error_message());
+        continue;
+      }
+      absl::MutexLock lock(&replica->budget_mu);
+      replica->budget = answer;
+      replica->budget_time = absl::Now();
+      budget = std::move(answer);
+    }
+    if (!smallest) {
+      smallest = budget;
+      continue;
+    }
+    v1::ImageBudget& s = *smallest;
+    s.set_default_min_pixels(std::min(s.default_min_pixels(), budget->default_min_pixels()));
+    s.set_default_max_pixels(std::min(s.default_max_pixels(), budget->default_max_pixels()));
+    s.set_max_pixels_limit(std::min(s.max_pixels_limit(), budget->max_pixels_limit()));
+  }
+  if (!smallest) {
+    return absl::UnavailableError(absl::StrCat(
+        "no vision replica reported its image budget", errors.empty() ? "" : " (", errors,
+        errors.empty() ? "" : ")"));
+  }
+  return *smallest;
 }
 
 VisionRouter::EncodeOutcome VisionRouter::Encode(const grpc::ServerContextBase* parent,

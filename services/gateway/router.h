@@ -56,6 +56,7 @@ struct VisionRouterOptions {
   absl::Duration retry_backoff = absl::Milliseconds(25);  // before the 2nd call; doubles
   ChannelOptions channel;
   HealthWatchOptions health;
+  absl::Duration budget_ttl = absl::Seconds(30);  // ImageBudget's cache per replica
 };
 
 class VisionRouter {
@@ -89,6 +90,13 @@ class VisionRouter {
   std::vector<std::string> ServingOrder(std::string_view key) const;
   // Every known replica and its health, by name.
   std::vector<BackendState> Replicas() const;
+
+  // The vision service's pixel budget (GetImageBudget) for the gateway's cost
+  // estimate: each SERVING replica's answer, kept for `budget_ttl` (a
+  // restarted replica may have new flags), asked again when stale, by calls
+  // bounded by `deadline`. Where replicas differ, the smallest budget (the
+  // estimate stays a lower bound). UNAVAILABLE when no replica answered.
+  absl::StatusOr<v1::ImageBudget> ImageBudget(absl::Time deadline) const;
 
   // Re-resolves the DNS name now (also done periodically). No-op for a static list.
   void RefreshNow();

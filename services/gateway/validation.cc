@@ -11,9 +11,6 @@
 #include "services/gateway/image_size.h"
 #include "services/vision/preprocess.h"
 
-ABSL_FLAG(int64_t, image_default_max_pixels, 786432,
-          "the vision service's --default_max_pixels, for the gateway's image cost estimate "
-          "(made from an image's header before it is encoded)");
 ABSL_FLAG(double, image_min_ms_per_patch, 0.05,
           "floor of the ViT time per 16x16 patch, in ms: a request whose deadline is shorter "
           "than its slowest image's patches times this is refused at once (0 disables)");
@@ -233,6 +230,7 @@ std::vector<ImageEstimate> EstimateImages(const v1::ChatRequest& request,
   defaults.merge_size = model.merge_size;
   defaults.max_pixels = std::max<int64_t>(model.default_max_pixels, 1);
   defaults.min_pixels = std::min(model.min_pixels, defaults.max_pixels);
+  const int64_t limit = std::max(model.max_pixels_limit, defaults.max_pixels);
   const int64_t factor = int64_t{model.patch_size} * model.merge_size;
   int number = 0;
   for (const v1::ChatMessage& message : request.messages()) {
@@ -247,9 +245,10 @@ std::vector<ImageEstimate> EstimateImages(const v1::ChatRequest& request,
       int64_t max_pixels = request.image_options().max_pixels();
       if (image.options().min_pixels() != 0) min_pixels = image.options().min_pixels();
       if (image.options().max_pixels() != 0) max_pixels = image.options().max_pixels();
-      // Limits [1, default]: a larger request is estimated at the default (a lower bound).
+      // As the vision service resolves it, except that no value is refused here
+      // (min_pixels_limit 1): that is the vision service's to name.
       absl::StatusOr<vision::PreprocessOptions> budget =
-          vision::ResolvePixelBudget(defaults, 1, defaults.max_pixels, min_pixels, max_pixels);
+          vision::ResolvePixelBudget(defaults, 1, limit, min_pixels, max_pixels);
       if (!budget.ok()) continue;
       absl::StatusOr<vision::ImageSize> size = vision::SmartResize(
           dims->height, dims->width, factor, budget->min_pixels, budget->max_pixels);
@@ -297,9 +296,23 @@ absl::Status CheckImageCost(const v1::ChatRequest& request, const ImageCostModel
   return absl::OkStatus();
 }
 
+absl::Status ApplyImageBudget(const v1::ImageBudget& budget, ImageCostModel* model) {
+  if (budget.patch_size() < 1 || budget.merge_size() < 1 || budget.default_min_pixels() < 1 ||
+      budget.default_max_pixels() < budget.default_min_pixels() ||
+      budget.max_pixels_limit() < budget.default_max_pixels()) {
+    return Invalid(absl::StrCat("unusable image budget from the vision service: ",
+                                budget.ShortDebugString()));
+  }
+  model->patch_size = budget.patch_size();
+  model->merge_size = budget.merge_size();
+  model->min_pixels = budget.default_min_pixels();
+  model->default_max_pixels = budget.default_max_pixels();
+  model->max_pixels_limit = budget.max_pixels_limit();
+  return absl::OkStatus();
+}
+
 ImageCostModel ImageCostModelFromFlags() {
   ImageCostModel model;
-  model.default_max_pixels = absl::GetFlag(FLAGS_image_default_max_pixels);
   model.min_ms_per_patch = absl::GetFlag(FLAGS_image_min_ms_per_patch);
   model.max_image_tokens = absl::GetFlag(FLAGS_max_image_tokens);
   return model;

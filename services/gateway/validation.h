@@ -14,16 +14,16 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "vlm/v1/gateway.pb.h"
+#include "vlm/v1/vision.pb.h"
 
 namespace vlm::gateway {
 
 // The gateway's estimate of an image's cost from its header (width, height),
 // before the image is encoded. Every estimate is a lower bound, so that only a
 // request that surely fails is refused early:
-//   - the pixel budget is the request's max_pixels (image or request options)
-//     or, when unset or larger, the vision service's default (a larger budget
-//     may be allowed by the vision service's --max_pixels_limit: the image then
-//     costs more than the estimate, never less);
+//   - the pixel budget is the vision service's (GetImageBudget, fetched by the
+//     router: its default for a request that sets none, a larger request
+//     lowered to its max_pixels_limit), resized by the same smart_resize;
 //   - the ViT time is patches * min_ms_per_patch. The default, 0.05 ms per
 //     16x16 patch, is a floor for the Qwen3-VL-2B ViT (about 0.6 GFLOP per
 //     patch before attention: 0.05 ms is 12 TFLOP/s, far above a CPU server;
@@ -35,11 +35,17 @@ namespace vlm::gateway {
 struct ImageCostModel {
   int patch_size = 16;
   int merge_size = 2;
-  int64_t min_pixels = 65536;           // the checkpoint's min_pixels
-  int64_t default_max_pixels = 786432;  // the vision service's --default_max_pixels
+  int64_t min_pixels = 65536;           // the vision service's default min_pixels
+  int64_t default_max_pixels = 786432;  // the vision service's default max_pixels
+  int64_t max_pixels_limit = 786432;    // the vision service's limit on a request's max_pixels
   double min_ms_per_patch = 0.05;       // 0 disables the deadline check
   int64_t max_image_tokens = 32768;     // estimated image tokens of one request; 0 = no limit
 };
+
+// `model` with the vision service's budget and patch geometry (GetImageBudget).
+// INVALID_ARGUMENT when the budget is not usable (sizes below 1, default above
+// the limit): the caller then makes no estimate.
+absl::Status ApplyImageBudget(const v1::ImageBudget& budget, ImageCostModel* model);
 
 // An inline image's estimate; `number` is 1-based in request order.
 struct ImageEstimate {
@@ -63,8 +69,8 @@ std::vector<ImageEstimate> EstimateImages(const v1::ChatRequest& request,
 absl::Status CheckImageCost(const v1::ChatRequest& request, const ImageCostModel& model,
                             absl::Duration time_left);
 
-// From the flags --image_default_max_pixels, --image_min_ms_per_patch and
-// --max_image_tokens (defined in validation.cc).
+// From the flags --image_min_ms_per_patch and --max_image_tokens (defined in
+// validation.cc); the budget comes from the vision service (ApplyImageBudget).
 ImageCostModel ImageCostModelFromFlags();
 
 // Operator limits (flags of vlm-gateway with the same names).

@@ -128,9 +128,9 @@ bool JpegReadHeader(JpegState* state, const uint8_t* data, size_t size) {
   return true;
 }
 
-// Phase 2: decode into `rgb` ([height, width, 3]) using `scratch` (4 * width
-// bytes) for grey and CMYK rows.
-bool JpegDecodePixels(JpegState* state, uint8_t* rgb, uint8_t* scratch) {
+// Phase 2: decode into `image` (sized here: the output size follows the DCT
+// scale set on the decompressor) using `scratch_buffer` for grey and CMYK rows.
+bool JpegDecodePixels(JpegState* state, RgbImage* image, std::vector<uint8_t>* scratch_buffer) {
   if (setjmp(state->jump)) return false;
   j_decompress_ptr cinfo = &state->cinfo;
   const int components = cinfo->num_components;
@@ -143,6 +143,12 @@ bool JpegDecodePixels(JpegState* state, uint8_t* rgb, uint8_t* scratch) {
   }
   jpeg_start_decompress(cinfo);
   const size_t width = cinfo->output_width;
+  image->width = static_cast<int>(cinfo->output_width);
+  image->height = static_cast<int>(cinfo->output_height);
+  image->pixels.resize(width * cinfo->output_height * 3);
+  scratch_buffer->resize(width * 4);
+  uint8_t* const rgb = image->pixels.data();
+  uint8_t* const scratch = scratch_buffer->data();
   while (cinfo->output_scanline < cinfo->output_height) {
     uint8_t* out = rgb + static_cast<size_t>(cinfo->output_scanline) * width * 3;
     JSAMPROW row = components == 3 ? out : scratch;
@@ -168,7 +174,8 @@ bool JpegDecodePixels(JpegState* state, uint8_t* rgb, uint8_t* scratch) {
   return true;
 }
 
-absl::StatusOr<DecodedImage> DecodeJpeg(absl::string_view bytes, const DecodeLimits& limits) {
+absl::StatusOr<DecodedImage> DecodeJpeg(absl::string_view bytes, const DecodeLimits& limits,
+                                        const DecodeSizeHint& min_size) {
   auto state = std::make_unique<JpegState>();
   if (!JpegReadHeader(state.get(), reinterpret_cast<const uint8_t*>(bytes.data()),
                       bytes.size())) {
@@ -196,16 +203,31 @@ absl::StatusOr<DecodedImage> DecodeJpeg(absl::string_view bytes, const DecodeLim
 
   DecodedImage result;
   result.format = ImageFormat::kJpeg;
-  result.image.width = static_cast<int>(cinfo.image_width);
-  result.image.height = static_cast<int>(cinfo.image_height);
-  result.image.pixels.resize(static_cast<size_t>(result.image.width) * result.image.height * 3);
-  std::vector<uint8_t> scratch(static_cast<size_t>(result.image.width) * 4);
-  if (!JpegDecodePixels(state.get(), result.image.pixels.data(), scratch.data())) {
+  result.exif_orientation = exif.empty() ? 1 : ExifOrientation(exif);
+  const int64_t width = cinfo.image_width, height = cinfo.image_height;
+  const bool swapped = result.exif_orientation >= 5 && result.exif_orientation <= 8;
+  result.source_width = static_cast<int>(swapped ? height : width);
+  result.source_height = static_cast<int>(swapped ? width : height);
+  if (min_size) {
+    // The smallest DCT scale n/8 whose output (rounded up, as libjpeg does)
+    // is at least the size asked for, in stored orientation.
+    auto [min_w, min_h] = min_size(result.source_width, result.source_height);
+    if (swapped) std::swap(min_w, min_h);
+    for (int n = 1; n < 8; ++n) {
+      if ((width * n + 7) / 8 >= min_w && (height * n + 7) / 8 >= min_h) {
+        result.scale_num = n;
+        break;
+      }
+    }
+  }
+  cinfo.scale_num = static_cast<unsigned int>(result.scale_num);
+  cinfo.scale_denom = 8;
+  std::vector<uint8_t> scratch;
+  if (!JpegDecodePixels(state.get(), &result.image, &scratch)) {
     return Invalid(absl::StrCat("invalid JPEG data: ", state->message));
   }
   // The rest of the file (after the last scanline) is not read: a missing EOI
   // after complete image data is tolerated.
-  result.exif_orientation = exif.empty() ? 1 : ExifOrientation(exif);
   return result;
 }
 
@@ -592,7 +614,8 @@ RgbImage ApplyExifOrientation(RgbImage image, int orientation) {
   return out;
 }
 
-absl::StatusOr<DecodedImage> DecodeImage(absl::string_view bytes, const DecodeLimits& limits) {
+absl::StatusOr<DecodedImage> DecodeImage(absl::string_view bytes, const DecodeLimits& limits,
+                                         const DecodeSizeHint& min_size) {
   if (bytes.empty()) return Invalid("image is empty (0 bytes)");
   if (static_cast<int64_t>(bytes.size()) > limits.max_encoded_bytes) {
     return Invalid(absl::StrFormat("image is %d bytes; max_encoded_bytes is %d", bytes.size(),
@@ -602,7 +625,7 @@ absl::StatusOr<DecodedImage> DecodeImage(absl::string_view bytes, const DecodeLi
   try {
     absl::StatusOr<DecodedImage> decoded;
     switch (format) {
-      case ImageFormat::kJpeg: decoded = DecodeJpeg(bytes, limits); break;
+      case ImageFormat::kJpeg: decoded = DecodeJpeg(bytes, limits, min_size); break;
       case ImageFormat::kPng: decoded = DecodePng(bytes, limits); break;
       case ImageFormat::kWebp: decoded = DecodeWebp(bytes, limits); break;
       case ImageFormat::kGif:
@@ -622,6 +645,10 @@ absl::StatusOr<DecodedImage> DecodeImage(absl::string_view bytes, const DecodeLi
     if (!decoded.ok()) return decoded.status();
     if (decoded->exif_orientation != 1) {
       decoded->image = ApplyExifOrientation(std::move(decoded->image), decoded->exif_orientation);
+    }
+    if (decoded->scale_num == 8) {  // formats that set no source size decode at full size
+      decoded->source_width = decoded->image.width;
+      decoded->source_height = decoded->image.height;
     }
     return decoded;
   } catch (const std::bad_alloc&) {

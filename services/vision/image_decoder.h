@@ -21,6 +21,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -61,11 +63,26 @@ struct DecodedImage {
   RgbImage image;                  // after EXIF orientation
   ImageFormat format = ImageFormat::kUnknown;
   int exif_orientation = 1;        // the tag that was applied (1 = none)
+  // The stored size after EXIF orientation, and the JPEG DCT scale used: the
+  // image is source * scale_num / 8 per side (rounded up); 8 = full size.
+  int source_width = 0;
+  int source_height = 0;
+  int scale_num = 8;
 };
 
-// Decodes `bytes` (a whole JPEG, PNG or WebP file) to RGB.
+// Given an image's stored size (after EXIF orientation), the smallest decoded
+// size (width, height; same orientation) the caller can use.
+using DecodeSizeHint = std::function<std::pair<int64_t, int64_t>(int64_t width, int64_t height)>;
+
+// Decodes `bytes` (a whole JPEG, PNG or WebP file) to RGB. With `min_size`, a
+// JPEG is decoded at the smallest libjpeg DCT scale n/8 (n = 1..8) that still
+// gives at least min_size(width, height): a 12 MP photo headed for a 0.75 MP
+// budget is decoded at 5/8 scale, 39% of the pixels (the DCT scaling is a
+// proper low-pass; the image is then resized as usual). Other formats decode at full
+// size. Limits apply to the stored size.
 absl::StatusOr<DecodedImage> DecodeImage(absl::string_view bytes,
-                                         const DecodeLimits& limits = DecodeLimits());
+                                         const DecodeLimits& limits = DecodeLimits(),
+                                         const DecodeSizeHint& min_size = nullptr);
 
 // Applies an EXIF orientation (1..8) like PIL.ImageOps.exif_transpose; other
 // values leave the image unchanged.

@@ -390,6 +390,12 @@ PreprocessedImage Patchify(const RgbImage& resized, const PreprocessOptions& o) 
 
 absl::StatusOr<PreprocessResult> PreprocessImage(const RgbImage& image,
                                                  const PreprocessOptions& options) {
+  return PreprocessImage(image, options, image.width, image.height);
+}
+
+absl::StatusOr<PreprocessResult> PreprocessImage(const RgbImage& image,
+                                                 const PreprocessOptions& options,
+                                                 int64_t source_width, int64_t source_height) {
   if (absl::Status s = ValidatePreprocessOptions(options); !s.ok()) return s;
   if (image.width <= 0 || image.height <= 0 ||
       image.pixels.size() != static_cast<size_t>(image.width) * image.height * 3) {
@@ -398,7 +404,7 @@ absl::StatusOr<PreprocessResult> PreprocessImage(const RgbImage& image,
   }
   const int64_t factor = static_cast<int64_t>(options.patch_size) * options.merge_size;
   absl::StatusOr<ImageSize> size =
-      SmartResize(image.height, image.width, factor, options.min_pixels, options.max_pixels);
+      SmartResize(source_height, source_width, factor, options.min_pixels, options.max_pixels);
   if (!size.ok()) return size.status();
   if (size->height > (1 << 30) / size->width) {
     return Invalid(absl::StrFormat("resized image %dx%d is too large", size->width, size->height));

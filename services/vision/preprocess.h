@@ -114,5 +114,12 @@ struct PreprocessResult {
 // Steps 2-7 for one decoded image. Validates the options first.
 absl::StatusOr<PreprocessResult> PreprocessImage(const RgbImage& image,
                                                  const PreprocessOptions& options);
+// The same for an image decoded at a reduced scale (DecodedImage::scale_num <
+// 8): smart_resize is decided on the stored size (source_width x
+// source_height), so the grid is the one the full-size image gets, and
+// `image` is resized to it.
+absl::StatusOr<PreprocessResult> PreprocessImage(const RgbImage& image,
+                                                 const PreprocessOptions& options,
+                                                 int64_t source_width, int64_t source_height);
 
 }  // namespace vlm::vision

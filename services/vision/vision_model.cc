@@ -203,10 +203,12 @@ absl::StatusOr<std::unique_ptr<VisionModel>> VisionModel::Load(
   // copies replace the originals, which are dropped (a borrowed mapping can
   // then be released by the checkpoint's owner).
   std::string kernel_note = "LibTorch";
-  if (model->compute_dtype_ == ComputeDType::kBFloat16 && options.use_kernels) {
+  if (model->compute_dtype_ == ComputeDType::kBFloat16) {
     const kernels::GemmPath path = kernels::DefaultGemmPath();
-    if (path == kernels::GemmPath::kTorch || !kernels::FlashAttentionSupported()) {
-      kernel_note = "LibTorch (this CPU has no AVX-512 BF16 for the project's kernels)";
+    if (path == kernels::GemmPath::kTorch) {
+      kernel_note = "LibTorch (the GEMM path is torch: chosen, or no AVX-512 BF16 / AVX2 here)";
+    } else if (!kernels::FlashAttentionSupported()) {
+      kernel_note = "LibTorch (this CPU has no AVX-512 BF16 or AVX2 for the project's kernels)";
     } else if (GetCpuFeatures().amx_bf16 && path != kernels::GemmPath::kAmx) {
       // oneDNN runs AMX here (~3x the AVX-512 BF16 rate) while the project's
       // AMX path was not chosen at start-up (kernel_path.h; --kernel_path=amx forces it).

@@ -24,18 +24,16 @@
 
 namespace vlm {
 
+// bf16 compute runs through the project's kernels (common/kernels: prepacked
+// GEMM with fused bias/GELU/residual, flash attention over each image) where
+// the CPU runs them and the process's GEMM path (kernels::DefaultGemmPath) is
+// not torch; on AMX CPUs only when that path is amx (oneDNN's AMX is faster
+// than AVX-512 BF16). Otherwise, and for float32, every step runs on LibTorch.
 struct VisionModelOptions {
   // bfloat16 falls back to float32 (with a warning) on CPUs without AVX-512.
   ComputeDType compute_dtype = ComputeDType::kBFloat16;
   // Queries per attention tile: scores never exceed [heads, tile, patches of the image].
   int64_t attention_query_tile = 1024;
-  // bf16 compute through the project's kernels (common/kernels: prepacked
-  // GEMM with fused bias/GELU/residual, flash attention) where the CPU runs
-  // them (AVX-512 BF16) and LibTorch would not use AMX (on AMX CPUs only when
-  // the GEMM path is amx); false runs every step through LibTorch (the
-  // baseline vlm-bench-vision and the kernel tests compare against). float32
-  // compute always uses LibTorch.
-  bool use_kernels = true;
 };
 
 // (t, h, w) of one image in patches, as preprocessing reports it (grid_thw).
@@ -73,7 +71,7 @@ class VisionModel {
   uint64_t converted_weight_bytes() const { return converted_bytes_; }
   // Bytes of linear weights repacked for the kernels at Load (0 on the LibTorch path).
   uint64_t packed_weight_bytes() const { return packed_bytes_; }
-  // Whether Forward runs through common/kernels (see VisionModelOptions::use_kernels).
+  // Whether Forward runs through common/kernels (see VisionModelOptions).
   bool uses_kernels() const { return uses_kernels_; }
   // What Load decided and why (CPU path, dtype fallback), for the startup log.
   const std::string& load_summary() const { return load_summary_; }

@@ -47,15 +47,16 @@ ABSL_FLAG(int64_t, attention_query_tile, 1024,
 ABSL_FLAG(int, intra_op_threads, 0,
           "compute threads per encode worker (kernels and LibTorch); 0 = the cores this "
           "process may use (CPU affinity, capped by a cgroup cpu.max quota)");
-ABSL_FLAG(bool, vision_kernels, true,
-          "bf16 ViT through the project's kernels (packed GEMM, flash attention) where the CPU "
-          "has AVX-512 BF16; false: LibTorch for every step");
 ABSL_FLAG(int, encode_workers, 1, "ViT encodes running at once");
 ABSL_FLAG(int, encode_queue_size, 16,
           "encodes waiting for a worker; more are refused with RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, warmup_runs, 1,
           "warm-up forwards on a small generated image before health reports SERVING (>= 1)");
 ABSL_FLAG(int64_t, max_encoded_bytes, 64 << 20, "largest encoded image accepted, in bytes");
+ABSL_FLAG(bool, jpeg_scaled_decode, true,
+          "decode a JPEG far above its pixel budget at a reduced libjpeg DCT scale (n/8, still "
+          "at least twice the resized size per side) before the usual resize; false decodes "
+          "every image at full size, as the reference processor does");
 ABSL_FLAG(int64_t, max_decoded_pixels, 200'000'000,
           "largest image accepted, width x height as stored (checked from the header)");
 ABSL_FLAG(int, min_image_side, 2,
@@ -179,7 +180,6 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
   absl::StatusOr<ComputeDType> dtype = ParseComputeDType(absl::GetFlag(FLAGS_compute_dtype));
   if (!dtype.ok()) return absl::InvalidArgumentError("--" + std::string(dtype.status().message()));
   c.compute_dtype = *dtype;
-  c.use_kernels = absl::GetFlag(FLAGS_vision_kernels);
   c.attention_query_tile = absl::GetFlag(FLAGS_attention_query_tile);
   c.intra_op_threads = absl::GetFlag(FLAGS_intra_op_threads);
   if (c.intra_op_threads == 0) c.intra_op_threads = UsableCores();
@@ -187,6 +187,7 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
   c.encode_queue_size = absl::GetFlag(FLAGS_encode_queue_size);
   c.warmup_runs = absl::GetFlag(FLAGS_warmup_runs);
   c.decode_limits.max_encoded_bytes = absl::GetFlag(FLAGS_max_encoded_bytes);
+  c.jpeg_scaled_decode = absl::GetFlag(FLAGS_jpeg_scaled_decode);
   c.decode_limits.max_decoded_pixels = absl::GetFlag(FLAGS_max_decoded_pixels);
   c.min_image_side = absl::GetFlag(FLAGS_min_image_side);
   c.min_pixels_limit = absl::GetFlag(FLAGS_min_pixels_limit);
@@ -213,14 +214,15 @@ absl::StatusOr<VisionServiceConfig> VisionServiceConfig::FromFlags() {
 
 std::string VisionServiceConfig::Describe() const {
   return absl::StrFormat(
-      "model_dir=%s compute_dtype=%s vision_kernels=%d attention_query_tile=%d intra_op_threads=%d "
-      "encode_workers=%d encode_queue_size=%d warmup_runs=%d max_encoded_bytes=%d "
+      "model_dir=%s compute_dtype=%s attention_query_tile=%d intra_op_threads=%d "
+      "encode_workers=%d encode_queue_size=%d warmup_runs=%d max_encoded_bytes=%d jpeg_scaled_decode=%d "
       "max_decoded_pixels=%d min_image_side=%d min_pixels_limit=%d max_pixels_limit=%d "
       "default_max_pixels=%d "
       "max_response_bytes=%d cache_max_bytes=%d cache_max_entries=%d cache_ttl=%s cache_dir=%s cache_disk_max_bytes=%d "
       "replica=%s",
-      model_dir, ComputeDTypeName(compute_dtype), use_kernels, attention_query_tile, intra_op_threads,
+      model_dir, ComputeDTypeName(compute_dtype), attention_query_tile, intra_op_threads,
       encode_workers, encode_queue_size, warmup_runs, decode_limits.max_encoded_bytes,
+      jpeg_scaled_decode,
       decode_limits.max_decoded_pixels, min_image_side, min_pixels_limit, max_pixels_limit,
       default_max_pixels,
       max_response_bytes, cache.max_bytes, cache.max_entries, absl::FormatDuration(cache.ttl),
@@ -625,7 +627,6 @@ absl::Status VisionService::LoadWeights(const ModelConfig& model_config) {
     VisionModelOptions model_options;
     model_options.compute_dtype = c.compute_dtype;
     model_options.attention_query_tile = c.attention_query_tile;
-    model_options.use_kernels = c.use_kernels;
     absl::StatusOr<std::unique_ptr<VisionModel>> model =
         VisionModel::Load(*checkpoint_, model_config, model_options);
     if (!model.ok()) return model.status();
@@ -651,10 +652,11 @@ absl::Status VisionService::ComputeFingerprint(const std::string& config_json) {
   if (!component.ok()) return component.status();
   fingerprint_ = Sha256Hex(absl::StrFormat(
       "vlm-vision-features v1\nweights %s\npreprocess patch=%d merge=%d temporal=%d "
-      "rescale=%.17g mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g\ncompute %s\n",
+      "rescale=%.17g mean=%.9g,%.9g,%.9g std=%.9g,%.9g,%.9g%s\ncompute %s\n",
       *component, options.patch_size, options.merge_size, options.temporal_patch_size,
       options.rescale_factor, options.image_mean[0], options.image_mean[1], options.image_mean[2],
       options.image_std[0], options.image_std[1], options.image_std[2],
+      config_.jpeg_scaled_decode ? " jpeg_scaled_decode=2x" : "",
       ComputeDTypeName(model_->compute_dtype())));
 
   return absl::OkStatus();
@@ -776,29 +778,46 @@ absl::StatusOr<FeaturesPtr> VisionService::Compute(std::string_view bytes,
                                                    const CacheKeyContext& key_context,
                                                    PixelKeyProbe* probe, absl::Time deadline,
                                                    EncodeOutcome* outcome) const {
-  // decode (limits from the header first)
+  // decode (limits from the header first); a JPEG far above its budget at a
+  // reduced DCT scale, still twice the resized size per side
+  const int64_t factor = int64_t{options.patch_size} * options.merge_size;
+  DecodeSizeHint min_size;
+  if (config_.jpeg_scaled_decode) {
+    min_size = [&](int64_t width, int64_t height) -> std::pair<int64_t, int64_t> {
+      absl::StatusOr<ImageSize> size =
+          SmartResize(height, width, factor, options.min_pixels, options.max_pixels);
+      if (!size.ok()) return {width, height};
+      return {std::min(width, 2 * size->width), std::min(height, 2 * size->height)};
+    };
+  }
   auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<DecodedImage> decoded = DecodeImage(Absl(bytes), config_.decode_limits);
+  absl::StatusOr<DecodedImage> decoded = DecodeImage(Absl(bytes), config_.decode_limits, min_size);
   if (!decoded.ok()) return decoded.status();
   const RgbImage& image = decoded->image;
+  const int64_t width = decoded->source_width, height = decoded->source_height;
   outcome->decode_ms = MsSince(start);
-  if (image.width < config_.min_image_side || image.height < config_.min_image_side) {
+  if (width < config_.min_image_side || height < config_.min_image_side) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "image is ", image.width, "x", image.height, " pixels; min_image_side is ",
+        "image is ", width, "x", height, " pixels; min_image_side is ",
         config_.min_image_side, " (--min_image_side=1 accepts it and upscales like HF)"));
   }
   // Size checks before anything is cached or computed (aspect ratio, response size).
-  const int64_t factor = int64_t{options.patch_size} * options.merge_size;
   absl::StatusOr<ImageSize> size =
-      SmartResize(image.height, image.width, factor, options.min_pixels, options.max_pixels);
+      SmartResize(height, width, factor, options.min_pixels, options.max_pixels);
   if (!size.ok()) return size.status();
   const int64_t patches = (size->height / options.patch_size) * (size->width / options.patch_size);
   if (absl::Status s = CheckResponseFits(patches, feature_dtype_size_); !s.ok()) return s;
 
-  // the same picture in another container?
+  // the same picture in another container? (A reduced-scale decode is keyed
+  // with its stored size too: that size decides the grid.)
   if (probe != nullptr) {
+    CacheKeyContext pixel_context = key_context;
+    if (decoded->scale_num != 8) {
+      absl::StrAppend(&pixel_context.model_fingerprint, " decoded at ", decoded->scale_num,
+                      "/8 of ", width, "x", height);
+    }
     absl::StatusOr<FeaturesPtr> hit =
-        probe->Find(KeyForPixels(Std(image.bytes()), image.width, image.height, key_context));
+        probe->Find(KeyForPixels(Std(image.bytes()), image.width, image.height, pixel_context));
     if (!hit.ok()) return hit.status();
     if (*hit != nullptr) return *hit;
   }
@@ -808,7 +827,7 @@ absl::StatusOr<FeaturesPtr> VisionService::Compute(std::string_view bytes,
 
   // preprocess
   start = std::chrono::steady_clock::now();
-  absl::StatusOr<PreprocessResult> pre = PreprocessImage(image, options);
+  absl::StatusOr<PreprocessResult> pre = PreprocessImage(image, options, width, height);
   if (!pre.ok()) return pre.status();
   const PreprocessedImage& p = pre->patches;
   outcome->preprocess_ms = MsSince(start);
@@ -998,6 +1017,30 @@ grpc::Status VisionService::Encode(grpc::ServerContext* context, const v1::Encod
   if (!outcome.ok()) return ToGrpcStatus(outcome.status());
   outcome->total_ms = MsSince(start);
   return ToGrpcStatus(FillResponse(*outcome, dtype, response));
+}
+
+absl::StatusOr<v1::ImageBudget> VisionService::ImageBudget() const {
+  if (!loaded()) return absl::UnavailableError("vision encoder is still loading");
+  const PreprocessOptions& o = default_options_;
+  v1::ImageBudget budget;
+  budget.set_default_min_pixels(o.min_pixels);
+  budget.set_default_max_pixels(o.max_pixels);
+  budget.set_min_pixels_limit(config_.min_pixels_limit);
+  budget.set_max_pixels_limit(config_.max_pixels_limit);
+  budget.set_patch_size(o.patch_size);
+  budget.set_merge_size(o.merge_size);
+  budget.set_temporal_patch_size(o.temporal_patch_size);
+  budget.set_max_aspect_ratio(config_.decode_limits.max_aspect_ratio);
+  return budget;
+}
+
+grpc::Status VisionService::GetImageBudget(grpc::ServerContext* /*context*/,
+                                           const v1::ImageBudgetRequest* /*request*/,
+                                           v1::ImageBudget* response) {
+  absl::StatusOr<v1::ImageBudget> budget = ImageBudget();
+  if (!budget.ok()) return ToGrpcStatus(budget.status());
+  *response = *std::move(budget);
+  return grpc::Status::OK;
 }
 
 // ---------------------------------------------------------------------------

@@ -67,13 +67,15 @@ struct VisionServiceConfig {
   std::string model_dir;  // HF checkpoint directory (config.json, *.safetensors, preprocessor_config.json)
   ComputeDType compute_dtype = ComputeDType::kBFloat16;
   int64_t attention_query_tile = 1024;
-  bool use_kernels = true;    // VisionModelOptions::use_kernels (--vision_kernels)
   int intra_op_threads = 1;   // at::set_num_threads in every encode worker (flag default: the usable cores)
   int encode_workers = 1;     // ViT forwards running at once
   int encode_queue_size = 16; // encodes waiting for a worker; beyond: RESOURCE_EXHAUSTED
   int warmup_runs = 1;        // forwards on a generated image before SERVING
 
   DecodeLimits decode_limits;
+  // JPEGs far above their budget are decoded at a reduced DCT scale (at least
+  // twice the resized size per side; DecodeImage's min_size).
+  bool jpeg_scaled_decode = true;
   // Smallest image side accepted. HF upscales even a 1x1 image to the
   // min_pixels area; 2 (the default) rejects 1-pixel-wide images as
   // degenerate, 1 restores the reference's behaviour.
@@ -144,6 +146,13 @@ class VisionService final : public v1::VisionEncoder::Service {
 
   // The RPC's work without the wire: same validation, cache, queue and metrics.
   absl::StatusOr<EncodeOutcome> EncodeImage(const EncodeCall& call);
+
+  // The pixel budget (defaults, limits) and patch geometry a caller needs to
+  // predict an image's grid from its size; UNAVAILABLE until Load has
+  // succeeded (answered while draining: the numbers do not change).
+  grpc::Status GetImageBudget(grpc::ServerContext* context, const v1::ImageBudgetRequest* request,
+                              v1::ImageBudget* response) override;
+  absl::StatusOr<v1::ImageBudget> ImageBudget() const;
 
   EmbeddingCacheStats cache_stats() const;
   // Hex fingerprint keying the cache; valid after Load.

@@ -1,24 +1,34 @@
 // The official `openai` JavaScript SDK against the gateway's HTTP front end on
 // the tiny checkpoint: non-streaming, streaming with usage, an image as a data
 // URL, logprobs, a bad parameter (BadRequestError, 400) and API keys
-// (AuthenticationError, 401). Run by ctest with node's test runner.
+// (AuthenticationError, 401), and pictures of every size: a 12 MP phone photo
+// with no options and with detail "low", 12000x9000, and the extreme shapes
+// (1x1, 1x40000, 200:1, 201:1) that either answer or get a 400 naming the
+// model's limit. Run by ctest with node's test runner.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import fs from "node:fs";
 import path from "node:path";
-import { startStack, requireModule, makePng, metric } from "./stack.mjs";
+import { startStack, requireModule, makePng, makeJpeg, metric } from "./stack.mjs";
 
 const OpenAI = requireModule("openai");
 const KEY = "sk-sdk-test-key";
 let stack;
 let client;
+const photos = {};  // made before the stack starts (Pillow takes seconds for 12000x9000)
 
 before(async () => {
   const work = process.env.VLM_WORK_DIR;
   fs.mkdirSync(work, { recursive: true });
   const keys = path.join(work, "api_keys");
   fs.writeFileSync(keys, `${KEY}\n`);
-  stack = await startStack({ gateways: { open: [], keyed: [`--api_keys_file=${keys}`] } });
+  for (const [w, h] of [[4000, 3000], [12000, 9000]]) {
+    photos[`${w}x${h}`] = makeJpeg(w, h, path.join(work, `photo_${w}x${h}.jpg`));
+  }
+  // A photo-sized limit above the tiny checkpoint's own 65536 pixels, so that
+  // the default budget (0.75 MP) and detail "low" (512x512) differ.
+  stack = await startStack({ gateways: { open: [], keyed: [`--api_keys_file=${keys}`] },
+                             vision: ["--max_pixels_limit=1048576"] });
   client = new OpenAI({ baseURL: `${stack.http.open}/v1`, apiKey: "unused", maxRetries: 0, timeout: 60000 });
 });
 
@@ -176,5 +186,72 @@ test("aborting a stream through the SDK frees the admission slot", async () => {
   while (await metric(stack.metrics.open, "vlm_gateway_admission_running") !== 0) {
     assert.ok(Date.now() < deadline, "the generation was not cancelled within 5 s");
     await new Promise((r) => setTimeout(r, 20));
+  }
+});
+
+function imageRequest(bytes, mime, detail) {
+  const image_url = { url: `data:${mime};base64,${bytes.toString("base64")}` };
+  if (detail !== undefined) image_url.detail = detail;
+  return {
+    model: stack.model,
+    messages: [{ role: "user", content: [
+      { type: "image_url", image_url },
+      { type: "text", text: "What is in this picture?" },
+    ] }],
+    max_tokens: 2,
+  };
+}
+
+test("a 12 MP phone photo with no options answers, resized; detail low is smaller", async () => {
+  const jpeg = photos["4000x3000"];
+  const plain = await client.chat.completions.create(imageRequest(jpeg, "image/jpeg"));
+  const image = plain.x_vlm.images[0];
+  // smart_resize(3000, 4000, 32, 65536, 786432) = 768 x 1024: 48 x 64 patches, 768 tokens.
+  assert.deepEqual(image.grid, [1, 48, 64]);
+  assert.equal(image.max_pixels, 786432);
+  assert.equal(image.tokens, 768);
+  assert.ok(plain.usage.prompt_tokens > 768);
+  const low = await client.chat.completions.create(imageRequest(jpeg, "image/jpeg", "low"));
+  const small = low.x_vlm.images[0];
+  assert.equal(small.max_pixels, 262144);
+  assert.deepEqual(small.grid, [1, 26, 36]);  // 416 x 576
+  assert.ok(small.tokens < image.tokens);
+  assert.equal(low.usage.prompt_tokens - plain.usage.prompt_tokens, small.tokens - image.tokens);
+});
+
+test("12000x9000 answers at the default budget", async () => {
+  const jpeg = photos["12000x9000"];
+  const c = await client.chat.completions.create(imageRequest(jpeg, "image/jpeg"));
+  const image = c.x_vlm.images[0];
+  assert.deepEqual(image.grid, [1, 48, 64]);  // 4:3 like the 12 MP photo: 768 x 1024
+  assert.equal(image.max_pixels, 786432);
+});
+
+test("extreme shapes answer or get a 400 naming the model's limit", async () => {
+  const cases = [
+    // [width, height, null = answers | the words the 400 must name]
+    [400, 2, null],                      // 200:1, the largest ratio served
+    [2, 400, null],
+    [402, 2, "maximum aspect ratio is 200"],  // 201:1
+    [1, 40000, "maximum aspect ratio is 200"],
+    [1, 1, "min_image_side"],
+  ];
+  for (const [w, h, refusal] of cases) {
+    const png = await makePng(w, h, w + h);
+    const request = client.chat.completions.create(imageRequest(png, "image/png"));
+    if (refusal === null) {
+      const c = await request;
+      const image = c.x_vlm.images[0];
+      assert.ok(image.tokens > 0, `${w}x${h}`);
+      assert.equal(image.grid[1] > image.grid[2], h > w, `${w}x${h}: ${image.grid}`);
+      continue;
+    }
+    await assert.rejects(request, (e) => {
+      assert.ok(e instanceof OpenAI.BadRequestError, `${w}x${h}: ${e.constructor.name}`);
+      assert.equal(e.status, 400);
+      assert.ok(e.message.includes(refusal), `${w}x${h}: ${e.message}`);
+      assert.ok(!/max_message_mb|max_pixels_limit|too large/.test(e.message), e.message);
+      return true;
+    });
   }
 });

@@ -1,7 +1,8 @@
 // The three services as real processes on loopback, for the JavaScript tests
 // (the official `openai` SDK, the page in headless Chromium).
 //
-//   const stack = await startStack({ gateways: { open: [], keyed: ["--api_keys_file=..."] } });
+//   const stack = await startStack({ gateways: { open: [], keyed: ["--api_keys_file=..."] },
+//                                    vision: ["--max_pixels_limit=1048576"] });
 //   stack.http.open   // "http://127.0.0.1:PORT" of each gateway's HTTP front end
 //   await stack.stop();
 //
@@ -9,7 +10,7 @@
 // VLM_VISION, VLM_LANGUAGE, VLM_GATEWAY, VLM_MODEL_DIR, VLM_WORK_DIR.
 // Node modules (openai, puppeteer-core) are those scripts/setup.sh installs
 // into $VLM_NODE_MODULES.
-import { spawn } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import fs from "node:fs";
 import path from "node:path";
 import { createRequire } from "node:module";
@@ -43,7 +44,7 @@ async function waitForLine(file, regex, proc, timeoutMs) {
   throw new Error(`${file}: no ${regex} within ${timeoutMs} ms`);
 }
 
-export async function startStack({ gateways = { open: [] } } = {}) {
+export async function startStack({ gateways = { open: [] }, vision: visionFlags = [] } = {}) {
   const work = env("VLM_WORK_DIR");
   fs.mkdirSync(work, { recursive: true });
   const model = env("VLM_MODEL_DIR");
@@ -62,7 +63,7 @@ export async function startStack({ gateways = { open: [] } } = {}) {
     return { proc, out, grpc: m[1], metrics: `http://${m[2]}` };
   };
   const backend = [`--model_dir=${model}`, "--intra_op_threads=1"];
-  const vision = await start("vision", env("VLM_VISION"), backend);
+  const vision = await start("vision", env("VLM_VISION"), [...backend, ...visionFlags]);
   const language = await start("language", env("VLM_LANGUAGE"), [...backend, "--max_sequences=2"]);
   const http = {};
   const metrics = {};
@@ -146,4 +147,21 @@ export async function makePng(width, height, seed) {
     chunk("IDAT", zlib.deflateSync(Buffer.concat(rows))),
     chunk("IEND", Buffer.alloc(0)),
   ]);
+}
+
+// A JPEG of width x height made by Pillow (/usr/bin/python3, python3-pil from
+// scripts/setup.sh): smooth gradients, so even 12000x9000 stays small.
+export function makeJpeg(width, height, file) {
+  const script = [
+    "import sys",
+    "from PIL import Image",
+    "w, h = int(sys.argv[1]), int(sys.argv[2])",
+    "g = Image.radial_gradient('L').resize((w, h))",
+    "l = Image.linear_gradient('L').resize((w, h))",
+    "Image.merge('RGB', (g, l, g.transpose(Image.FLIP_LEFT_RIGHT))).save(sys.argv[3], quality=85)",
+  ].join("\n");
+  const r = spawnSync("/usr/bin/python3", ["-c", script, String(width), String(height), file],
+    { encoding: "utf8" });
+  if (r.status !== 0) throw new Error(`Pillow could not write ${file}: ${r.stderr}`);
+  return fs.readFileSync(file);
 }

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -124,15 +125,41 @@ class FakeVision final : public v1::VisionEncoder::Service {
     return grpc::Status::OK;
   }
 
+  // Answers the budget once one is set; UNIMPLEMENTED before (an older vision service).
+  grpc::Status GetImageBudget(grpc::ServerContext*, const v1::ImageBudgetRequest*,
+                              v1::ImageBudget* response) override {
+    budget_calls_.fetch_add(1);
+    absl::MutexLock lock(&mu_);
+    if (!budget_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no GetImageBudget");
+    *response = *budget_;
+    return grpc::Status::OK;
+  }
+  void set_budget(int64_t default_max_pixels, int64_t max_pixels_limit) {
+    v1::ImageBudget b;
+    b.set_default_min_pixels(65536);
+    b.set_default_max_pixels(default_max_pixels);
+    b.set_min_pixels_limit(1024);
+    b.set_max_pixels_limit(max_pixels_limit);
+    b.set_patch_size(16);
+    b.set_merge_size(2);
+    b.set_temporal_patch_size(2);
+    b.set_max_aspect_ratio(200);
+    absl::MutexLock lock(&mu_);
+    budget_ = b;
+  }
+
   int calls() const { return calls_.load(); }
+  int budget_calls() const { return budget_calls_.load(); }
   void set_unavailable(bool v) { unavailable_ = v; }
 
  private:
   const std::string name_;
   std::atomic<int> calls_{0};
+  std::atomic<int> budget_calls_{0};
   std::atomic<bool> unavailable_{false};
   absl::Mutex mu_;
   std::map<std::string, int> seen_ ABSL_GUARDED_BY(mu_);
+  std::optional<v1::ImageBudget> budget_ ABSL_GUARDED_BY(mu_);
 };
 
 // Streams the words of the last text part; the first delta lists the images
@@ -489,6 +516,56 @@ TEST_F(GatewayFakeTest, NotServingReplicaIsSkippedAndAStoppedOneFailsOver) {
   EXPECT_TRUE(absl::StrContains(s.error_message(), "no vision replica is SERVING")) << s.error_message();
   server_a_.SetServing(true);
   EXPECT_TRUE(g.WaitServing());
+}
+
+// A PNG's signature and IHDR: all the gateway's size estimate reads.
+std::string PngHeader(uint32_t w, uint32_t h) {
+  auto be32 = [](uint32_t v) {
+    return std::string{static_cast<char>(v >> 24), static_cast<char>(v >> 16),
+                       static_cast<char>(v >> 8), static_cast<char>(v)};
+  };
+  return std::string("\x89PNG\r\n\x1a\n", 8) + be32(13) + "IHDR" + be32(w) + be32(h) +
+         std::string("\x08\x02\x00\x00\x00", 5) + be32(0);
+}
+
+// The image cost estimate uses the budget the vision replicas report: the
+// smallest over the replicas, asked once per replica and kept; no budget (an
+// older vision service) means no estimate, never a refusal.
+TEST_F(GatewayFakeTest, ImageCostFollowsTheBudgetTheReplicasReport) {
+  Gateway g({server_a_.target(), server_b_.target()}, language_server_.target());
+  ASSERT_TRUE(g.WaitServing());
+  ASSERT_TRUE(Eventually([&] { return g.router().ServingOrder("x").size() == 2; }));
+  const std::vector<std::string> photos = {PngHeader(12000, 9000), PngHeader(12001, 9000),
+                                           PngHeader(12002, 9000)};
+  absl::StatusOr<v1::ImageBudget> none = g.router().ImageBudget(absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(none.status().message(), "UNIMPLEMENTED")) << none.status();
+  v1::ChatResponse r;
+  ASSERT_TRUE(Chat(g, Request("hi", photos), &r).ok());  // no estimate: the fakes answer
+
+  // At the checkpoint's 16.7 MP three 12000x9000 pictures are 3 x 16k tokens,
+  // over max_image_tokens (32768): refused before any encode.
+  vision_a_.set_budget(16777216, 16777216);
+  vision_b_.set_budget(16777216, 16777216);
+  const int encodes = vision_a_.calls() + vision_b_.calls();
+  grpc::Status s = Chat(g, Request("hi", photos), &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "max_image_tokens is 32768")) << s.error_message();
+  EXPECT_EQ(vision_a_.calls() + vision_b_.calls(), encodes);
+
+  // Replicas that differ: the smallest default and limit, each asked once and kept.
+  Gateway fresh({server_a_.target(), server_b_.target()}, language_server_.target());
+  ASSERT_TRUE(fresh.WaitServing());
+  ASSERT_TRUE(Eventually([&] { return fresh.router().ServingOrder("x").size() == 2; }));
+  vision_b_.set_budget(262144, 1048576);
+  const int asked = vision_a_.budget_calls() + vision_b_.budget_calls();
+  absl::StatusOr<v1::ImageBudget> both = fresh.router().ImageBudget(absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(both->default_max_pixels(), 262144);
+  EXPECT_EQ(both->max_pixels_limit(), 1048576);
+  EXPECT_EQ(vision_a_.budget_calls() + vision_b_.budget_calls(), asked + 2);
+  ASSERT_TRUE(Chat(fresh, Request("hi", photos), &r).ok()) << "3 x 256 tokens fit";
+  EXPECT_EQ(vision_a_.budget_calls() + vision_b_.budget_calls(), asked + 2);
 }
 
 TEST_F(GatewayFakeTest, DnsNameIsReResolvedAndAFailedResolutionKeepsTheReplicas) {

@@ -117,6 +117,11 @@ class VisionProcess {
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
     return stub_->Encode(&ctx, request, response);
   }
+  grpc::Status GetImageBudget(v1::ImageBudget* response) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    return stub_->GetImageBudget(&ctx, v1::ImageBudgetRequest(), response);
+  }
 
   std::string Metrics() {
     httplib::Client client(process_.metrics_host, process_.metrics_port);
@@ -507,6 +512,17 @@ TEST_F(VisionServiceCacheTest, OptionsAboveTheLimitAreCappedAndBadOnesRefused) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(response.options().max_pixels(), 16384);
   EXPECT_LE(response.options().min_pixels(), 16384);
+  // The same budget, as GetImageBudget reports it for the gateway's estimate.
+  v1::ImageBudget budget;
+  s = process_->GetImageBudget(&budget);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(budget.max_pixels_limit(), 262144);
+  EXPECT_EQ(budget.default_max_pixels(), 262144);
+  EXPECT_GE(budget.default_min_pixels(), budget.min_pixels_limit());
+  EXPECT_LE(budget.default_min_pixels(), budget.default_max_pixels());
+  EXPECT_GT(budget.patch_size(), 0);
+  EXPECT_GT(budget.merge_size(), 0);
+  EXPECT_EQ(budget.max_aspect_ratio(), 200);
 }
 
 // The largest budget follows the message limit: the features of any image a

@@ -5,6 +5,8 @@
 // TurboJPEG, libwebp); the expected pixels follow from the spec's rules.
 #include "services/vision/image_decoder.h"
 
+#include <cmath>
+
 #include <turbojpeg.h>
 #include <webp/encode.h>
 #include <zlib.h>
@@ -15,6 +17,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "services/vision/preprocess.h"
 
 namespace vlm::vision {
 namespace {
@@ -311,6 +314,115 @@ TEST(ExifTest, PngExifChunkIsApplied) {
 }
 
 // ---- limits -----------------------------------------------------------------------
+
+// ---- reduced-scale JPEG decode ------------------------------------------------
+
+// A photo-like picture: smooth gradients and low-frequency waves.
+RgbImage SmoothPhoto(int width, int height) {
+  RgbImage image;
+  image.width = width;
+  image.height = height;
+  image.pixels.resize(static_cast<size_t>(width) * height * 3);
+  for (int y = 0; y < height; ++y) {
+    for (int x = 0; x < width; ++x) {
+      uint8_t* p = &image.pixels[(static_cast<size_t>(y) * width + x) * 3];
+      p[0] = static_cast<uint8_t>(x * 255 / width);
+      p[1] = static_cast<uint8_t>(128 + 100 * std::sin(x * 0.02) * std::cos(y * 0.015));
+      p[2] = static_cast<uint8_t>(y * 255 / height);
+    }
+  }
+  return image;
+}
+
+TEST(ScaledJpegDecodeTest, PicksTheSmallestScaleGivingTheSizeAskedFor) {
+  const std::string jpeg = Jpeg(SmoothPhoto(1600, 1200));
+  struct Case {
+    int64_t min_w, min_h;
+    int scale;
+    int width, height;
+  };
+  for (const Case& c : {Case{400, 300, 2, 400, 300}, Case{401, 300, 3, 600, 450},
+                        Case{100, 1, 1, 200, 150}, Case{1600, 1200, 8, 1600, 1200},
+                        Case{5000, 5000, 8, 1600, 1200}}) {
+    int64_t asked_w = 0, asked_h = 0;
+    absl::StatusOr<DecodedImage> d =
+        DecodeImage(jpeg, DecodeLimits(), [&](int64_t w, int64_t h) -> std::pair<int64_t, int64_t> {
+          asked_w = w;
+          asked_h = h;
+          return {c.min_w, c.min_h};
+        });
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(asked_w, 1600);
+    EXPECT_EQ(asked_h, 1200);
+    EXPECT_EQ(d->scale_num, c.scale) << c.min_w << "x" << c.min_h;
+    EXPECT_EQ(d->image.width, c.width);
+    EXPECT_EQ(d->image.height, c.height);
+    EXPECT_EQ(d->image.pixels.size(), static_cast<size_t>(c.width) * c.height * 3);
+    EXPECT_EQ(d->source_width, 1600);
+    EXPECT_EQ(d->source_height, 1200);
+  }
+  // Other formats ignore the hint; their source size is the image's.
+  absl::StatusOr<DecodedImage> png = DecodeImage(
+      RgbPng(SmoothPhoto(64, 48)), DecodeLimits(),
+      [](int64_t, int64_t) { return std::pair<int64_t, int64_t>{8, 8}; });
+  ASSERT_TRUE(png.ok()) << png.status();
+  EXPECT_EQ(png->image.width, 64);
+  EXPECT_EQ(png->source_width, 64);
+  EXPECT_EQ(png->scale_num, 8);
+}
+
+TEST(ScaledJpegDecodeTest, ExifRotationAsksAndAnswersInDisplayOrientation) {
+  const std::string jpeg = WithApp1(Jpeg(SmoothPhoto(1600, 800)), ExifWithOrientation(6));
+  absl::StatusOr<DecodedImage> d =
+      DecodeImage(jpeg, DecodeLimits(), [](int64_t w, int64_t h) -> std::pair<int64_t, int64_t> {
+        EXPECT_EQ(w, 800);  // displayed upright: 800 wide, 1600 high
+        EXPECT_EQ(h, 1600);
+        return {200, 400};
+      });
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->scale_num, 2);
+  EXPECT_EQ(d->image.width, 200);
+  EXPECT_EQ(d->image.height, 400);
+  EXPECT_EQ(d->source_width, 800);
+  EXPECT_EQ(d->source_height, 1600);
+}
+
+// The served path (decode at >= 2x the resized size, then the usual bicubic
+// resize) against the reference path (full decode, then resize): the same
+// grid, and pixels within a few levels.
+TEST(ScaledJpegDecodeTest, ResizedPixelsMatchTheFullDecodeClosely) {
+  const std::string jpeg = Jpeg(SmoothPhoto(2000, 1500));
+  PreprocessOptions options;
+  options.max_pixels = 131072;
+  absl::StatusOr<DecodedImage> full = DecodeImage(jpeg);
+  ASSERT_TRUE(full.ok()) << full.status();
+  absl::StatusOr<PreprocessResult> want = PreprocessImage(full->image, options);
+  ASSERT_TRUE(want.ok()) << want.status();
+  absl::StatusOr<DecodedImage> scaled = DecodeImage(
+      jpeg, DecodeLimits(), [&](int64_t, int64_t) -> std::pair<int64_t, int64_t> {
+        return {2 * want->resized_size.width, 2 * want->resized_size.height};
+      });
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  ASSERT_LT(scaled->scale_num, 8);
+  absl::StatusOr<PreprocessResult> got =
+      PreprocessImage(scaled->image, options, scaled->source_width, scaled->source_height);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->resized_size, want->resized_size);
+  EXPECT_EQ(got->patches.grid_h, want->patches.grid_h);
+  EXPECT_EQ(got->patches.grid_w, want->patches.grid_w);
+  ASSERT_EQ(got->resized.pixels.size(), want->resized.pixels.size());
+  double sum = 0;
+  int worst = 0;
+  for (size_t i = 0; i < got->resized.pixels.size(); ++i) {
+    const int d = std::abs(int{got->resized.pixels[i]} - int{want->resized.pixels[i]});
+    sum += d;
+    worst = std::max(worst, d);
+  }
+  const double mean = sum / static_cast<double>(got->resized.pixels.size());
+  RecordProperty("mean_abs_diff", std::to_string(mean));
+  EXPECT_LT(mean, 1.5) << "worst " << worst;
+  EXPECT_LE(worst, 24);
+}
 
 TEST(DecodeLimitsTest, HugePngHeaderIsRefusedBeforeDecoding) {
   // A 30000x30000 header with a few bytes of IDAT: decoding would fail on the

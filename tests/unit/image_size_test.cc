@@ -211,7 +211,7 @@ TEST(ImageCostTest, EstimatesThePhotoAtTheDefaultBudget) {
   EXPECT_LE(e[0].resized_height * e[0].resized_width, 786432);
 }
 
-TEST(ImageCostTest, BudgetFollowsTheRequestOptionsAndNeverExceedsTheDefault) {
+TEST(ImageCostTest, BudgetFollowsTheRequestOptionsUpToTheLimit) {
   ImageCostModel model;
   v1::ChatRequest low = RequestWith({PngHeader(4000, 3000)});
   low.mutable_messages(0)->mutable_content(0)->mutable_image()->mutable_options()->set_max_pixels(
@@ -220,12 +220,17 @@ TEST(ImageCostTest, BudgetFollowsTheRequestOptionsAndNeverExceedsTheDefault) {
   ASSERT_EQ(e.size(), 1u);
   EXPECT_EQ(e[0].max_pixels, 262144);
   EXPECT_LE(e[0].resized_height * e[0].resized_width, 262144);
-  // "high": a lower bound, so the default budget.
+  // "high": lowered to the vision service's limit (here equal to its default).
   v1::ChatRequest high = RequestWith({PngHeader(4000, 3000)});
   high.mutable_image_options()->set_max_pixels(int64_t{1} << 40);
   e = EstimateImages(high, model);
   ASSERT_EQ(e.size(), 1u);
   EXPECT_EQ(e[0].max_pixels, 786432);
+  model.max_pixels_limit = 4194304;
+  e = EstimateImages(high, model);
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0].max_pixels, 4194304);
+  EXPECT_GT(e[0].patches, 3 * 3072);
   // Unreadable headers and aspect ratios above 200 are left to the vision service.
   EXPECT_TRUE(EstimateImages(RequestWith({"garbage", PngHeader(1, 5000)}), model).empty());
 }
@@ -254,6 +259,43 @@ TEST(ImageCostTest, ImageTokensCountAgainstTheRequestLimit) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("max_image_tokens is 1000"));
   EXPECT_TRUE(CheckImageCost(RequestWith({PngHeader(4000, 3000)}), model, absl::InfiniteDuration())
                   .ok());
+}
+
+// The budget the vision service reports (GetImageBudget) replaces the model's
+// numbers; one that cannot be right is refused (the gateway then makes no
+// estimate rather than a wrong one).
+TEST(ImageCostTest, TheVisionServiceBudgetDrivesTheEstimate) {
+  v1::ImageBudget budget;
+  budget.set_default_min_pixels(4096);
+  budget.set_default_max_pixels(262144);
+  budget.set_min_pixels_limit(1024);
+  budget.set_max_pixels_limit(1048576);
+  budget.set_patch_size(14);
+  budget.set_merge_size(2);
+  budget.set_temporal_patch_size(2);
+  budget.set_max_aspect_ratio(200);
+  ImageCostModel model;
+  ASSERT_TRUE(ApplyImageBudget(budget, &model).ok());
+  EXPECT_EQ(model.default_max_pixels, 262144);
+  EXPECT_EQ(model.max_pixels_limit, 1048576);
+  EXPECT_EQ(model.min_pixels, 4096);
+  EXPECT_EQ(model.patch_size, 14);
+  std::vector<ImageEstimate> e = EstimateImages(RequestWith({PngHeader(4000, 3000)}), model);
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0].max_pixels, 262144);
+  EXPECT_EQ(e[0].resized_height % 28, 0);
+  EXPECT_EQ(e[0].resized_width % 28, 0);
+  EXPECT_LE(e[0].resized_height * e[0].resized_width, 262144);
+  EXPECT_EQ(e[0].patches, (e[0].resized_height / 14) * (e[0].resized_width / 14));
+  for (int which = 0; which < 3; ++which) {
+    v1::ImageBudget broken = budget;
+    if (which == 0) broken.set_patch_size(0);
+    if (which == 1) broken.set_default_max_pixels(2048);  // below the default minimum
+    if (which == 2) broken.set_max_pixels_limit(1000);    // below the default maximum
+    ImageCostModel untouched;
+    EXPECT_EQ(ApplyImageBudget(broken, &untouched).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(untouched.default_max_pixels, ImageCostModel().default_max_pixels);
+  }
 }
 
 }  // namespace

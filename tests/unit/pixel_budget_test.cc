@@ -179,5 +179,37 @@ TEST(PixelBudgetTest, EveryImageSizeAnswersOrNamesTheModelLimit) {
   EXPECT_LE(strip->height * strip->width, LargestResizedArea(kFactor, 65536, 786432));
 }
 
+// The extreme shapes at every budget a request can get (default, detail low,
+// detail high = the message-size limit): 1x40000 and 40000x1 and 201:1 name
+// the aspect-ratio limit; exactly 200:1 is served, its features fit.
+TEST(PixelBudgetTest, ExtremeAspectRatiosAnswerOrNameTheRatioLimit) {
+  const int64_t limit = LargestFittingBudget(kFactor, kPatch, 65536, 16777216, kFittingPatches);
+  for (int64_t requested : {int64_t{0}, int64_t{262144}, int64_t{1} << 40}) {
+    absl::StatusOr<PreprocessOptions> budget =
+        ResolvePixelBudget(ServerDefaults(), 1024, limit, 0, requested);
+    ASSERT_TRUE(budget.ok()) << budget.status();
+    const int64_t lo = budget->min_pixels, hi = budget->max_pixels;
+    for (auto [w, h] : {std::pair<int64_t, int64_t>{1, 40000}, {40000, 1}, {201, 1}, {1, 201},
+                        {40200, 200}, {201000, 1000}}) {
+      absl::StatusOr<ImageSize> s = SmartResize(h, w, kFactor, lo, hi);
+      ASSERT_FALSE(s.ok()) << w << "x" << h;
+      EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(std::string(s.status().message()), HasSubstr("the maximum aspect ratio is 200"));
+    }
+    for (auto [w, h] : {std::pair<int64_t, int64_t>{200, 1}, {1, 200}, {40000, 200}, {200, 40000},
+                        {12000, 60}, {2, 400}}) {
+      absl::StatusOr<ImageSize> s = SmartResize(h, w, kFactor, lo, hi);
+      ASSERT_TRUE(s.ok()) << w << "x" << h << ": " << s.status();
+      EXPECT_EQ(s->height % kFactor, 0);
+      EXPECT_EQ(s->width % kFactor, 0);
+      EXPECT_GE(s->height * s->width, std::min(lo, hi)) << w << "x" << h;
+      EXPECT_LE(s->height * s->width, LargestResizedArea(kFactor, lo, hi)) << w << "x" << h;
+      EXPECT_LE(s->height * s->width / (kPatch * kPatch), kFittingPatches) << w << "x" << h;
+      // the long side stays the long side
+      EXPECT_EQ(w > h, s->width > s->height) << w << "x" << h;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace vlm::vision

@@ -58,11 +58,18 @@ class VisionKernelsTest : public ::testing::TestWithParam<kernels::GemmPath> {
     config_ = *config;
   }
   void TearDown() override { (void)kernels::SetDefaultGemmPath(before_); }
+  // kernels false: the LibTorch path, which the model takes when the process's
+  // GEMM path is torch at Load.
   std::unique_ptr<VisionModel> Load(ComputeDType dtype, bool kernels) {
     VisionModelOptions o;
     o.compute_dtype = dtype;
-    o.use_kernels = kernels;
+    if (!kernels) {
+      EXPECT_TRUE(kernels::SetDefaultGemmPath(kernels::GemmPath::kTorch).ok());
+    }
     auto m = VisionModel::Load(*checkpoint_, config_, o);
+    if (!kernels) {
+      EXPECT_TRUE(kernels::SetDefaultGemmPath(GetParam()).ok());
+    }
     EXPECT_TRUE(m.ok()) << m.status();
     return m.ok() ? std::move(*m) : nullptr;
   }
