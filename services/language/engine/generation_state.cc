@@ -32,6 +32,10 @@ GenerationState::GenerationState(const GenerationRequest& request, const Tokeniz
       detokenizer_(tokenizer, !request.include_special_tokens), stops_(request.stop) {
   result_.prompt_tokens = static_cast<int64_t>(request.prompt_ids.size());
   result_.seed = sampler_.seed();
+  if (request.grammar != nullptr) {
+    matcher_ = std::make_unique<grammar::Matcher>(request.grammar);
+    mask_.assign(request.grammar->vocab().mask_words(), 0);
+  }
 }
 
 TopLogprobEntry GenerationState::Entry(int32_t id, float logprob) const {
@@ -47,7 +51,25 @@ TopLogprobEntry GenerationState::Entry(int32_t id, float logprob) const {
 
 absl::StatusOr<GenerationState::Step> GenerationState::Next(absl::Span<const float> logits) {
   const bool want_logprobs = request_.logprobs || request_.top_logprobs > 0;
-  const int32_t id = sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs);
+  const std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  if (matcher_ != nullptr) matcher_->FillMask(mask_.data());
+  const std::chrono::steady_clock::time_point t1 = std::chrono::steady_clock::now();
+  const int32_t id =
+      matcher_ == nullptr
+          ? sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs)
+          : sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs,
+                            mask_.data(), matcher_->compiled().vocab().size());
+  bool grammar_end = false;
+  if (matcher_ != nullptr) {
+    // Filling the mask (t1 - t0); applying it is part of sampling.
+    result_.grammar_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+    if (!matcher_->AcceptToken(id)) {
+      return absl::InternalError(absl::StrCat(
+          "the grammar allows no token after ", result_.completion_tokens,
+          " generated tokens (sampled id ", id, ")"));
+    }
+    grammar_end = matcher_->IsTerminated();
+  }
   sampler_.Accept(id);
   last_token_ = id;
   ++result_.completion_tokens;
@@ -61,7 +83,12 @@ absl::StatusOr<GenerationState::Step> GenerationState::Next(absl::Span<const flo
     for (const auto& [alt, alt_lp] : lp_.top) entry.top.push_back(Entry(alt, alt_lp));
     chunk.logprobs.push_back(std::move(entry));
   }
-  if (!request_.ignore_eos &&
+  if (grammar_end) {
+    // The grammar's stop token: the output is complete; its text is never part of it.
+    result_.finish = FinishReason::kStop;
+    result_.finish_detail = "grammar complete";
+    step.finished = true;
+  } else if (!request_.ignore_eos &&
       std::find(config_.eos_ids.begin(), config_.eos_ids.end(), id) != config_.eos_ids.end()) {
     // The EOS token ends the text; its own text is never part of it.
     result_.finish = FinishReason::kStop;
