@@ -342,6 +342,16 @@ ApiError ApiErrorFromStatus(const grpc::Status& status, const v1::ChatRequest* r
   e.code = status.error_code();
   e.message = status.error_message();
   if (e.code == grpc::StatusCode::INVALID_ARGUMENT) {
+    // The language service's own validation (schemas, tools) comes prefixed
+    // by the backend's name; the field it names leads once that is dropped.
+    constexpr absl::string_view kLanguage = "language service: ";
+    if (absl::StartsWith(e.message, kLanguage)) {
+      const std::string rest = e.message.substr(kLanguage.size());
+      for (const char* field : {"params.json_schema", "params.json_object", "params.constraint",
+                                "params.regex", "tools[", "tool_choice"}) {
+        if (absl::StartsWith(rest, field)) e.message = rest;
+      }
+    }
     for (const Rename& r : kRenames) {
       if (absl::StartsWith(e.message, r.proto)) {
         e.message = absl::StrCat(r.openai, e.message.substr(std::string_view(r.proto).size()));

@@ -240,6 +240,31 @@ TEST_F(ConstrainedGenerationTest, JsonSchemaOutputParsesAndEndsWithTheGrammar) {
   }
 }
 
+// Unbounded grammars (JSON mode, a string without maxLength) still end with a
+// complete output by max_tokens, whatever the model prefers: near the end
+// only tokens that keep a completion in reach are drawn.
+TEST_F(ConstrainedGenerationTest, OutputIsCompleteByMaxTokensEvenWhenUnbounded) {
+  const std::string schema = R"({"type": "object", "properties": {"note": {"type": "string"},
+      "n": {"type": "integer"}}, "required": ["note", "n"]})";
+  auto compiled = cache_->Get(grammar::GrammarKind::kJsonSchema, schema);
+  ASSERT_TRUE(compiled.ok());
+  const int64_t shortest = (*compiled)->grammar().MinOutputBytes();
+  EXPECT_EQ(shortest, static_cast<int64_t>(std::string(R"({"note":"","n":0})").size()));
+  for (int64_t max_tokens : {shortest + 1, shortest + 2, shortest + 9, int64_t{60}}) {
+    Run run = Constrained(grammar::GrammarKind::kJsonSchema, schema, 5 + max_tokens, max_tokens);
+    EXPECT_EQ(run.result.finish_detail, "grammar complete") << max_tokens << ": " << run.text;
+    EXPECT_LE(run.result.completion_tokens, max_tokens);
+    const nlohmann::json v = nlohmann::json::parse(run.text, nullptr, false);
+    EXPECT_TRUE(v.is_object() && v["note"].is_string() && v["n"].is_number_integer())
+        << max_tokens << ": " << run.text;
+  }
+  for (int64_t max_tokens : {3, 10, 40}) {
+    Run run = Constrained(grammar::GrammarKind::kJsonObject, "", 100 + max_tokens, max_tokens);
+    EXPECT_EQ(run.result.finish_detail, "grammar complete") << run.text;
+    EXPECT_TRUE(nlohmann::json::parse(run.text, nullptr, false).is_object()) << run.text;
+  }
+}
+
 TEST_F(ConstrainedGenerationTest, RegexAndToolCallAndJsonMode) {
   Run digits = Constrained(grammar::GrammarKind::kRegex, "[0-9]{3}-[a-z]{2}", 7, 50);
   EXPECT_EQ(digits.result.finish_detail, "grammar complete");
@@ -260,11 +285,8 @@ TEST_F(ConstrainedGenerationTest, RegexAndToolCallAndJsonMode) {
   EXPECT_TRUE(body["arguments"]["sku"].is_string());
 
   Run object = Constrained(grammar::GrammarKind::kJsonObject, "", 11, 120, /*logprobs=*/true);
-  if (object.result.finish == FinishReason::kStop) {
-    EXPECT_TRUE(nlohmann::json::parse(object.text, nullptr, false).is_object()) << object.text;
-  } else {
-    EXPECT_EQ(object.text[0], '{');  // unbounded JSON mode may run to max_tokens
-  }
+  EXPECT_EQ(object.result.finish, FinishReason::kStop);
+  EXPECT_TRUE(nlohmann::json::parse(object.text, nullptr, false).is_object()) << object.text;
   // Logprobs of the constrained distribution: the first token must open an
   // object, so every alternative listed is a token starting with '{' (or
   // whitespace-free: JSON mode allows no leading space) and the chosen one's

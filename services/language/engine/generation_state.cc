@@ -54,13 +54,28 @@ absl::StatusOr<GenerationState::Step> GenerationState::Next(absl::Span<const flo
   const std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   if (matcher_ != nullptr) matcher_->FillMask(mask_.data());
   const std::chrono::steady_clock::time_point t1 = std::chrono::steady_clock::now();
-  const int32_t id =
+  int32_t id =
       matcher_ == nullptr
           ? sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs)
           : sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs,
                             mask_.data(), matcher_->compiled().vocab().size());
   bool grammar_end = false;
   if (matcher_ != nullptr) {
+    // Bounded output: a token after which no complete output fits in the
+    // tokens left (one byte each plus the stop token) is drawn again among
+    // those that keep one in reach, so a constrained generation always ends
+    // with a complete output by max_tokens (admission checked that the
+    // shortest one fits).
+    const grammar::Vocabulary& vocab = matcher_->compiled().vocab();
+    const int64_t left = request_.max_tokens - result_.completion_tokens;
+    if (!vocab.is_stop(id)) {
+      const int64_t after = matcher_->MinBytesToEndAfter(id);
+      if (after < 0 || after + 2 > left) {
+        matcher_->FillMaskWithinBudget(left, mask_.data());
+        id = sampler_.Sample(logits, want_logprobs ? &lp_ : nullptr, request_.top_logprobs,
+                             mask_.data(), vocab.size());
+      }
+    }
     // Filling the mask (t1 - t0); applying it is part of sampling.
     result_.grammar_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
     if (!matcher_->AcceptToken(id)) {

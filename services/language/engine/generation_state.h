@@ -50,7 +50,10 @@ struct GenerationRequest {
   // Structured output (JSON schema, JSON mode, regex, tool call): each step
   // samples only tokens the grammar allows, and the generation ends when the
   // grammar is complete and a stop token is drawn (EOS is allowed only then;
-  // ignore_eos does not apply). Null: unconstrained.
+  // ignore_eos does not apply). As the tokens left run short, only tokens
+  // that keep a complete output within max_tokens are drawn, so the output
+  // is always complete (the caller checks that the shortest one fits:
+  // Grammar::MinOutputBytes() + 1 <= max_tokens). Null: unconstrained.
   std::shared_ptr<const grammar::CompiledGrammar> grammar;
 };
 
