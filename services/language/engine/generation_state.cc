@@ -78,9 +78,15 @@ absl::StatusOr<GenerationState::Step> GenerationState::Next(absl::Span<const flo
     }
     // Filling the mask (t1 - t0); applying it is part of sampling.
     result_.grammar_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+    const bool allowed = id >= 0 && id < vocab.size() && ((mask_[id >> 5] >> (id & 31)) & 1u);
+    if (!allowed && matcher_->CanEnd() && !vocab.stop_tokens().empty()) {
+      // No allowed token has a finite logit (a logits row narrower than the
+      // stop token's id): the output is complete, so it ends here.
+      id = vocab.stop_tokens().front();
+    }
     if (!matcher_->AcceptToken(id)) {
       return absl::InternalError(absl::StrCat(
-          "the grammar allows no token after ", result_.completion_tokens,
+          "no token the grammar allows has a finite logit after ", result_.completion_tokens,
           " generated tokens (sampled id ", id, ")"));
     }
     grammar_end = matcher_->IsTerminated();
