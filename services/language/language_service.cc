@@ -609,19 +609,25 @@ absl::Status LanguageService::ResolveConstraint(const v1::GenerateRequest& reque
     // One call: {"name": <a tool's name>, "arguments": <its parameters>}
     // between the tool-call tags, for the chosen tool or any of them. Each
     // tool's schema is compiled alone first so that an error names it.
-    nlohmann::json options = nlohmann::json::array();
+    // Ordered: "name" before "arguments" as the model writes calls, and the
+    // tool's properties in its own order.
+    nlohmann::ordered_json options = nlohmann::ordered_json::array();
     bool found = false;
     for (int t = 0; t < request.tools_size(); ++t) {
       const v1::Tool& tool = request.tools(t);
       if (choice.mode() == v1::TOOL_CHOICE_FUNCTION && tool.name() != choice.function()) continue;
       found = true;
-      nlohmann::json arguments = tool.parameters().empty()
-                                     ? nlohmann::json{{"type", "object"}}
-                                     : nlohmann::json::parse(tool.parameters(), nullptr, false);
-      nlohmann::json call = {
-          {"type", "object"},
-          {"properties", {{"name", {{"const", tool.name()}}}, {"arguments", std::move(arguments)}}},
-          {"required", {"name", "arguments"}}};
+      nlohmann::ordered_json arguments =
+          tool.parameters().empty()
+              ? nlohmann::ordered_json{{"type", "object"}}
+              : nlohmann::ordered_json::parse(tool.parameters(), nullptr, false);
+      nlohmann::ordered_json properties = nlohmann::ordered_json::object();
+      properties["name"] = {{"const", tool.name()}};
+      properties["arguments"] = std::move(arguments);
+      nlohmann::ordered_json call = nlohmann::ordered_json::object();
+      call["type"] = "object";
+      call["properties"] = std::move(properties);
+      call["required"] = {"name", "arguments"};
       const std::string where = absl::StrCat("tools[", t, "].parameters");
       absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> alone =
           grammars_->Get(grammar::GrammarKind::kToolCall, call.dump());
@@ -638,7 +644,8 @@ absl::Status LanguageService::ResolveConstraint(const v1::GenerateRequest& reque
                      absl::StrCat("is \"", choice.function(), "\", which is not among tools"));
     }
     kind = grammar::GrammarKind::kToolCall;
-    text = options.size() == 1 ? options[0].dump() : nlohmann::json{{"anyOf", options}}.dump();
+    text = options.size() == 1 ? options[0].dump()
+                               : nlohmann::ordered_json{{"anyOf", options}}.dump();
     field = choice.mode() == v1::TOOL_CHOICE_FUNCTION ? "tool_choice" : "tools";
   } else {
     switch (params.constraint_case()) {
