@@ -80,6 +80,19 @@ void AppendPythonJson(const nlohmann::ordered_json& v, std::string* out) {
   }
 }
 
+// Text spliced into the prompt outside content parts (tool calls, tool
+// descriptions) must be UTF-8 and free of the vision control tokens, like
+// content text.
+absl::Status CheckSpliced(const std::string& text, const std::string& what) {
+  if (absl::Status s = utf8::Validate(text, what); !s.ok()) return s;
+  for (const char* token : kVisionTokens) {
+    if (text.find(token) != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " contains the control token ", token));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The text of a message's parts (system turns: images are refused earlier).
 std::string TextOf(const ChatMessage& m) {
   std::string text;
@@ -132,6 +145,20 @@ absl::StatusOr<std::string> RenderChatTemplate(absl::Span<const ChatMessage> mes
     if (system && i != 0) return Invalid(i, "a system message must be the first message");
     if (!m.tool_calls.empty() && !assistant) {
       return Invalid(i, "only assistant messages carry tool calls");
+    }
+    for (size_t c = 0; c < m.tool_calls.size(); ++c) {
+      const std::string what = absl::StrCat("messages[", i, "].tool_calls[", c, "]");
+      for (const std::string* text : {&m.tool_calls[c].name, &m.tool_calls[c].arguments}) {
+        if (absl::Status s = CheckSpliced(*text, what); !s.ok()) return s;
+      }
+    }
+    if (tools && i == 0) {
+      for (size_t t = 0; t < options.tools.size(); ++t) {
+        if (absl::Status s = CheckSpliced(options.tools[t], absl::StrCat("tools[", t, "]"));
+            !s.ok()) {
+          return s;
+        }
+      }
     }
     if (tools && i == 0) {
       out += "<|im_start|>system\n";
