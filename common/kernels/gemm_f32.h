@@ -24,7 +24,7 @@
 // block of rows.
 //
 // Paths (GemmF32Path), chosen at run time:
-//   avx512  AVX-512F: one zmm accumulator (the 16 lanes) per output, register
+//   avx512  AVX-512: one zmm accumulator (the 16 lanes) per output, register
 //           blocks of 4 rows x 4 columns.
 //   avx2    AVX2 + FMA: two ymm accumulators per output (lanes 0-7 and 8-15),
 //           blocks of 2 rows x 3 columns.

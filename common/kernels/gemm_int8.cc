@@ -15,29 +15,21 @@
 #include "common/kernels/gemm.h"
 #include "common/kernels/gemm_internal.h"
 #include "common/kernels/quantize.h"
-
-// GCC 12's AVX-512 headers build "undefined" vectors by self-initialization.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels {
 namespace {
 
-#define VLM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
 using internal::kPanelCols;
 
 // Prefetch distance along each of the 16 rows a half panel reads: one
-// 512-element block. On Zen 4 (one thread, 2048 x 2048, conversion cost
-// beyond the bf16 Gemm's time) it took M = 1 from 0.23 to 0.13 ns per weight;
+// 512-element block. On Zen 4 (one thread, 2048 x 2048) it nearly halves the
+// conversion's cost beyond the bf16 Gemm's time at M = 1 against no prefetch;
 // 1 and 2 KiB measured no better.
 constexpr int64_t kAhead = 512;
 
 // Rows 0..15 of `r` transposed in place: afterwards r[c] lane i = old r[i] lane c.
-VLM_TARGET inline void Transpose16(__m512i r[16]) {
+VLM_TARGET_AVX512_BF16 inline void Transpose16(__m512i r[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -66,7 +58,7 @@ VLM_TARGET inline void Transpose16(__m512i r[16]) {
 // The panel columns [16h, 16h + 16) of one panel (dst: its first k-pair)
 // from the int8 rows rows[0..16) (-1: a column past the weight, zero).
 // Element k of row r becomes bf16(scale(r, k / 32)·q[r, k]) at k-pair k / 2.
-VLM_TARGET void FillHalfPanel(const QuantizedWeight& w, const int64_t rows[16], int h,
+VLM_TARGET_AVX512_BF16 void FillHalfPanel(const QuantizedWeight& w, const int64_t rows[16], int h,
                               int64_t kpairs, uint16_t* dst) {
   const int64_t kp = w.k_padded(), groups = w.groups();
   const int64_t full = kp / kInt8Block * kInt8Block;

@@ -1,13 +1,5 @@
 #include "common/kernels/gemv.h"
 
-// GCC 12's AVX-512 headers build "undefined" vectors by self-initialization
-// and then warn about them where they are inlined; silence only that header.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -25,9 +17,13 @@
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
+#include "common/kernels/path_override.h"
+#include "common/kernels/simd.h"
 
 namespace vlm {
 namespace {
+
+using kernels::simd::Bf16ToF32;
 
 // ---------------------------------------------------------------------------
 // The problem every kernel sees: one input (x, prepared for the path) and a
@@ -48,13 +44,6 @@ struct Matrix {
   bool y_bf16 = false;
   bool accumulate = false;
 };
-
-inline float Bf16ToF32(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // Writes res[b][r] (b < nb, r < nr) to rows r0.. of batch rows b0.. of m.y.
 void StoreTile(const Matrix& m, int64_t b0, int nb, int64_t r0, int nr, const float* res) {
@@ -88,10 +77,8 @@ constexpr int kRowTile = 4;
 // AVX-512 BF16: 32 bf16 per load; VDPBF16PS multiplies pairs exactly and adds
 // them to 16 f32 lanes. The tail (in % 32) uses masked loads (zeros).
 
-#define VLM_TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 template <int R, int NB>
-VLM_TARGET_BF16 inline void TileAvx512Bf16(const uint16_t* w, int64_t ld, const uint16_t* x,
+VLM_TARGET_AVX512_BF16 inline void TileAvx512Bf16(const uint16_t* w, int64_t ld, const uint16_t* x,
                                            int64_t in, float* res) {
   __m512 acc[NB][R];
   for (int b = 0; b < NB; ++b)
@@ -123,7 +110,7 @@ VLM_TARGET_BF16 inline void TileAvx512Bf16(const uint16_t* w, int64_t ld, const 
 }
 
 template <int R>
-VLM_TARGET_BF16 void TileGroupsAvx512Bf16(const Input& in, const Matrix& m, int64_t r0) {
+VLM_TARGET_AVX512_BF16 void TileGroupsAvx512Bf16(const Input& in, const Matrix& m, int64_t r0) {
   const uint16_t* w = m.w + r0 * m.ld;
   float res[4 * R];
   for (int64_t b0 = 0; b0 < in.batch; b0 += 4) {
@@ -139,12 +126,13 @@ VLM_TARGET_BF16 void TileGroupsAvx512Bf16(const Input& in, const Matrix& m, int6
   }
 }
 
-VLM_TARGET_BF16 void RowsAvx512Bf16(const Input& in, const Matrix& m, int64_t r0, int64_t r1) {
+VLM_TARGET_AVX512_BF16 void RowsAvx512Bf16(const Input& in, const Matrix& m, int64_t r0, int64_t r1) {
   int64_t r = r0;
   for (; r + kRowTile <= r1; r += kRowTile) TileGroupsAvx512Bf16<kRowTile>(in, m, r);
   for (; r < r1; ++r) TileGroupsAvx512Bf16<1>(in, m, r);
-  // Leave the upper vector state clean: callers run SSE code next (without
-  // this, the sampler measured 55 ms instead of 2 ms per 151936-wide row).
+  // Leave the upper vector state clean: callers run SSE code next, which
+  // pays a state transition per instruction otherwise (the sampler's pass over
+  // a 151936-wide row took ~25x longer).
   _mm256_zeroupper();
 }
 
@@ -154,8 +142,6 @@ VLM_TARGET_BF16 void RowsAvx512Bf16(const Input& in, const Matrix& m, int64_t r0
 // half gives w[2i+1]. x is laid out to match: per 32-element chunk its 16 even
 // elements, then its 16 odd ones; the tail (in % 32) stays in order and is
 // summed in scalar code.
-
-#define VLM_TARGET_AVX512 __attribute__((target("avx512f")))
 
 template <int R, int NB>
 VLM_TARGET_AVX512 inline void TileAvx512(const uint16_t* w, int64_t ld, const float* x, int64_t in,
@@ -213,16 +199,12 @@ VLM_TARGET_AVX512 void RowsAvx512(const Input& in, const Matrix& m, int64_t r0, 
   int64_t r = r0;
   for (; r + kRowTile <= r1; r += kRowTile) TileGroupsAvx512<kRowTile>(in, m, r);
   for (; r < r1; ++r) TileGroupsAvx512<1>(in, m, r);
-  // Leave the upper vector state clean: callers run SSE code next (without
-  // this, the sampler measured 55 ms instead of 2 ms per 151936-wide row).
-  _mm256_zeroupper();
+  _mm256_zeroupper();  // as in RowsAvx512Bf16
 }
 
 // ---------------------------------------------------------------------------
 // AVX2 + FMA: as AVX-512F with 16-element chunks (8 even, then 8 odd) and at
 // most 2 batch rows per group (16 ymm registers).
-
-#define VLM_TARGET_AVX2 __attribute__((target("avx2,fma")))
 
 VLM_TARGET_AVX2 inline float ReduceAdd256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -287,9 +269,7 @@ VLM_TARGET_AVX2 void RowsAvx2(const Input& in, const Matrix& m, int64_t r0, int6
   int64_t r = r0;
   for (; r + kRowTile <= r1; r += kRowTile) TileGroupsAvx2<kRowTile>(in, m, r);
   for (; r < r1; ++r) TileGroupsAvx2<1>(in, m, r);
-  // Leave the upper vector state clean: callers run SSE code next (without
-  // this, the sampler measured 55 ms instead of 2 ms per 151936-wide row).
-  _mm256_zeroupper();
+  _mm256_zeroupper();  // as in RowsAvx512Bf16
 }
 
 // ---------------------------------------------------------------------------
@@ -546,13 +526,11 @@ bool GemvPathSupported(GemvPath path, std::string* missing) {
   const char* need = nullptr;
   switch (path) {
     case GemvPath::kAvx512Bf16:
-      if (!f.avx512f) need = "avx512f";
-      else if (!f.avx512bw) need = "avx512bw";
-      else if (!f.avx512vl) need = "avx512vl";
+      if (!f.fast_bf16_matmul()) need = "avx512f, avx512bw, avx512vl and avx512dq";
       else if (!f.avx512bf16) need = "avx512bf16";
       break;
     case GemvPath::kAvx512:
-      if (!f.avx512f) need = "avx512f";
+      if (!f.fast_bf16_matmul()) need = "avx512f, avx512bw, avx512vl and avx512dq";
       break;
     case GemvPath::kAvx2:
       if (!f.avx2) need = "avx2";
@@ -568,21 +546,9 @@ bool GemvPathSupported(GemvPath path, std::string* missing) {
 }
 
 GemvPath DefaultGemvPath() {
-  static const GemvPath path = [] {
-    const char* env = std::getenv("VLM_GEMV_PATH");
-    if (env == nullptr || *env == '\0') return BestPath();
-    absl::StatusOr<GemvPath> p = ParseGemvPath(env);
-    std::string missing;
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_GEMV_PATH ignored: %s\n", std::string(p.status().message()).c_str());
-      return BestPath();
-    }
-    if (!GemvPathSupported(*p, &missing)) {
-      std::fprintf(stderr, "VLM_GEMV_PATH=%s ignored: this CPU lacks %s\n", env, missing.c_str());
-      return BestPath();
-    }
-    return *p;
-  }();
+  static const GemvPath path = kernels::internal::PathFromEnvironment(
+      "VLM_GEMV_PATH", BestPath(), ParseGemvPath,
+      [](GemvPath p, std::string* missing) { return GemvPathSupported(p, missing); });
   return path;
 }
 

@@ -3,7 +3,7 @@
 // per token). The instruction set is chosen at run time; weights are only read,
 // so read-only mmap views are fine.
 //
-// Paths, best first: AVX-512 BF16 (VDPBF16PS), AVX-512F (bf16 -> f32 by shift,
+// Paths, best first: AVX-512 BF16 (VDPBF16PS), AVX-512 (bf16 -> f32 by shift,
 // FMA), AVX2 (same, 256-bit), portable scalar. All accumulate in f32 over x
 // rounded to bf16 (as LibTorch's bf16 linear does), so they agree with
 // at::matmul in f32 on the same bf16 values up to f32 summation order.

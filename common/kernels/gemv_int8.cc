@@ -14,12 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
-
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/path_override.h"
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels {
 namespace {
@@ -85,8 +81,7 @@ struct QuantizedX {
   }
 };
 
-float ToF32(const float* p, int64_t i) { return p[i]; }
-float ToF32(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+using simd::ToF32;
 
 float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
@@ -100,37 +95,27 @@ void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int16_t* q, float* d
   for (int64_t g = 0; g < kp / kGroup; ++g) {
     const int64_t k0 = g * kGroup, k1 = std::min(k, k0 + kGroup);
     float amax = 0;
-    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src, i)));
+    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src[i])));
     const float scale = amax / kXLimit;
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     for (int64_t i = k0; i < k0 + kGroup; ++i) {
       q[i] = i < k1 ? static_cast<int16_t>(
-                          std::clamp(std::nearbyint(ToF32(src, i) * inv), -kXLimit, kXLimit))
+                          std::clamp(std::nearbyint(ToF32(src[i]) * inv), -kXLimit, kXLimit))
                     : 0;
     }
     d[g] = scale;
   }
 }
 
-#define VLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-
 // 16 elements i0.. of a row as f32; lanes at or past k are zero.
-VLM_TARGET_VNNI inline __m512 Load16(const float* src, int64_t i0, int64_t k) {
-  if (i0 + 16 <= k) return _mm512_loadu_ps(src + i0);
-  if (i0 >= k) return _mm512_setzero_ps();
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (k - i0)) - 1), src + i0);
-}
-VLM_TARGET_VNNI inline __m512 Load16(const c10::BFloat16* src, int64_t i0, int64_t k) {
-  __m256i h;
-  if (i0 + 16 <= k) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i0));
-  else if (i0 >= k) h = _mm256_setzero_si256();
-  else h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (k - i0)) - 1), src + i0);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+template <typename T>
+VLM_TARGET_AVX512_VNNI inline __m512 Load16(const T* src, int64_t i0, int64_t k) {
+  return simd::Load16(src + i0, simd::Mask16(k - i0));
 }
 
 // round(v·inv) clamped to ±32639 as int16; VCVTPS2DQ rounds to nearest even
 // (the default MXCSR mode), as std::nearbyint does.
-VLM_TARGET_VNNI inline __m256i Quantize16(__m512 v, __m512 inv, __m512i lim, __m512i neg_lim) {
+VLM_TARGET_AVX512_VNNI inline __m256i Quantize16(__m512 v, __m512 inv, __m512i lim, __m512i neg_lim) {
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
   return _mm512_cvtepi32_epi16(_mm512_max_epi32(_mm512_min_epi32(r, lim), neg_lim));
 }
@@ -139,7 +124,7 @@ VLM_TARGET_VNNI inline __m256i Quantize16(__m512 v, __m512 inv, __m512i lim, __m
 // hi, lo written straight to their stored positions (group l of a full block:
 // its quad j to quad slot 16·j + l; tail groups in order) and bias per group.
 template <typename T>
-VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int16_t* q, float* d,
+VLM_TARGET_AVX512_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int16_t* q, float* d,
                                      int8_t* hi, int8_t* lo, int32_t* bias) {
   const __m512i lim = _mm512_set1_epi32(32639), neg_lim = _mm512_set1_epi32(-32639);
   const __m512i ones = _mm512_set1_epi16(1);
@@ -221,8 +206,6 @@ struct Output {
   void* y = nullptr;
   bool bf16 = false;
   int64_t n = 0;
-  bool prefetch_l1 = false;     // GemvInt8Options::prefetch_l1
-  bool row_pair_order = false;  // GemvInt8Options::row_pair_order
   void Store(int64_t b, int64_t row, float v) const {
     if (bf16) static_cast<c10::BFloat16*>(y)[b * n + row] = c10::BFloat16(v);
     else static_cast<float*>(y)[b * n + row] = v;
@@ -273,13 +256,10 @@ void RowsScalar(const QuantizedX& x, const QuantizedWeight& w, const Output& out
 // what the tile reads (a fixed 2 KiB lands inside the tile for R = 2 at
 // K = 2048: the row below, already being read). Into L2 rather than L1: an
 // L1 prefetch holds one of the core's few L1 miss buffers for a whole DRAM
-// round trip, so L1 prefetches throttled the stream below what the L2
-// prefetchers reach without them. vlm-bench-gemv-int8, one 2B decode step,
-// Zen 4, 2 threads, time / read-bandwidth bound: B = 1 1.33-2.15x -> 1.11-1.15x,
-// B = 2 1.72-1.76x -> 1.22x, B = 8 2.88-3.00x -> 2.37x. Leads of 512 B to
-// 16 KiB, T2 instead of T1, and no prefetch at all measured level or worse.
-// GemvInt8Options::prefetch_l1 keeps the previous prefetch (into L1, 2 KiB
-// ahead of each row) so the benchmark runs both.
+// round trip, so L1 prefetches throttle the stream below what the L2
+// prefetchers reach without them (vlm-bench-gemv-int8 on Zen 4: closer to the
+// read-bandwidth bound at every batch size; leads of 512 B to 16 KiB, T2
+// instead of T1 and no prefetch at all were level or worse).
 constexpr int64_t kPrefetchLead = 2048;
 
 // kPrefill: the weight tile comes from L2 (no prefetch along the row) and
@@ -287,12 +267,11 @@ constexpr int64_t kPrefetchLead = 2048;
 // otherwise fold it into every VPDPBUSD as a memory operand: R loads).
 // The arithmetic is the same either way.
 template <int R, int NB, bool kPrefill = false>
-VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWeight& w,
+VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWeight& w,
                               int64_t r0, const Output& out) {
   constexpr int A = R * NB >= 2 ? 1 : 2;  // partial sums per (row, batch row) and part
   const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
-  const bool l1 = out.prefetch_l1;
-  const int64_t ahead = l1 ? kPrefetchLead : (R - 1) * kp + kPrefetchLead;
+  const int64_t ahead = (R - 1) * kp + kPrefetchLead;
   const int8_t* xh = x.hi.data() + b0 * kp;
   const int8_t* xl = x.lo.data() + b0 * kp;
   const int32_t* bias = x.bias.data() + b0 * groups;
@@ -312,9 +291,7 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWe
       for (int r = 0; r < R; ++r) {
         const uint8_t* wp = w.row(r0 + r) + s + j * 64;
         if (!kPrefill) {
-          const char* p = reinterpret_cast<const char*>(wp + ahead);
-          if (l1) _mm_prefetch(p, _MM_HINT_T0);
-          else _mm_prefetch(p, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
         }
         wv[r] = _mm512_loadu_si512(wp);  // rows are 32-byte aligned only
       }
@@ -370,7 +347,7 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const QuantizedWe
 
 // Rows [r0, r0 + R) for every batch row, in groups of up to 4 batch rows.
 template <int R>
-VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const QuantizedWeight& w, int64_t r0,
+VLM_TARGET_AVX512_VNNI void RowTileVnni(const QuantizedX& x, const QuantizedWeight& w, int64_t r0,
                                  const Output& out) {
   for (int64_t b0 = 0; b0 < x.batch; b0 += 4) {
     switch (std::min<int64_t>(4, x.batch - b0)) {
@@ -385,7 +362,7 @@ VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const QuantizedWeight& w, 
 constexpr int64_t kRowsPerTask = 64;
 
 template <int R>
-VLM_TARGET_VNNI void TileVnniAnyNB(const QuantizedX& x, int64_t b0, int64_t nb,
+VLM_TARGET_AVX512_VNNI void TileVnniAnyNB(const QuantizedX& x, int64_t b0, int64_t nb,
                                    const QuantizedWeight& w, int64_t r0, const Output& out);
 
 // B = 1: one row at a time (one sequential stream per thread, the hardware
@@ -395,15 +372,11 @@ VLM_TARGET_VNNI void TileVnniAnyNB(const QuantizedX& x, int64_t b0, int64_t nb,
 // batch rows 0-3 from DRAM with the prefetch, then rows 4.. from L2, so the
 // hi/lo parts of one group of 4 batch rows stay in L1 through each pass
 // instead of all 8 cycling through it for every row pair. Same tiles, same
-// results. vlm-bench-gemv-int8 --batches 1,6,8 --layers 8 (one decode step of
-// 8 layers + the LM head), Zen 4, 2 threads, medians of 5, two runs: B = 6
-// 51.8 -> 49.2 and 51.7 -> 49.5 ms, B = 8 74.0 -> 60.5 and 63.7 -> 60.2 ms.
-// GemvInt8Options::row_pair_order keeps the previous order (each row pair
-// serving all batch rows in turn).
-VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const QuantizedWeight& w, const Output& out,
+// results.
+VLM_TARGET_AVX512_VNNI void RowsVnni(const QuantizedX& x, const QuantizedWeight& w, const Output& out,
                               int64_t r0, int64_t r1) {
   int64_t r = r0;
-  if (x.batch > 4 && !out.row_pair_order) {
+  if (x.batch > 4) {
     for (; r + 2 <= r1; r += 2) TileVnni<2, 4>(x, 0, w, r, out);
     for (; r < r1; ++r) TileVnni<1, 4>(x, 0, w, r, out);
     for (int64_t b0 = 4; b0 < x.batch; b0 += 4) {
@@ -432,7 +405,7 @@ constexpr int64_t kPrefillRows = 64;
 constexpr int kPrefillR = 2, kPrefillNB = 4;
 
 template <int R>
-VLM_TARGET_VNNI void TileVnniAnyNB(const QuantizedX& x, int64_t b0, int64_t nb,
+VLM_TARGET_AVX512_VNNI void TileVnniAnyNB(const QuantizedX& x, int64_t b0, int64_t nb,
                                    const QuantizedWeight& w, int64_t r0, const Output& out) {
   static_assert(kPrefillNB == 4);
   switch (nb) {
@@ -443,7 +416,7 @@ VLM_TARGET_VNNI void TileVnniAnyNB(const QuantizedX& x, int64_t b0, int64_t nb,
   }
 }
 
-VLM_TARGET_VNNI void PrefillRowsVnni(const QuantizedX& x, const QuantizedWeight& w,
+VLM_TARGET_AVX512_VNNI void PrefillRowsVnni(const QuantizedX& x, const QuantizedWeight& w,
                                      const Output& out, int64_t r0, int64_t r1) {
   for (int64_t b0 = 0; b0 < x.batch; b0 += kPrefillNB) {
     const int64_t nb = std::min<int64_t>(kPrefillNB, x.batch - b0);
@@ -476,29 +449,15 @@ absl::StatusOr<GemvInt8Path> ParseGemvInt8Path(std::string_view name) {
 bool GemvInt8PathSupported(GemvInt8Path path, std::string* missing) {
   if (path == GemvInt8Path::kScalar) return true;
   const CpuFeatures& f = GetCpuFeatures();
-  if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni) return true;
+  if (f.fast_bf16_matmul() && f.avx512vnni) return true;
   if (missing != nullptr) *missing = "AVX-512 VNNI (with F/BW/VL)";
   return false;
 }
 
 GemvInt8Path DefaultGemvInt8Path() {
-  static const GemvInt8Path path = [] {
-    const char* env = std::getenv("VLM_GEMV_INT8_PATH");
-    if (env == nullptr || *env == '\0') return BestPath();
-    absl::StatusOr<GemvInt8Path> p = ParseGemvInt8Path(env);
-    std::string missing;
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_GEMV_INT8_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return BestPath();
-    }
-    if (!GemvInt8PathSupported(*p, &missing)) {
-      std::fprintf(stderr, "VLM_GEMV_INT8_PATH=%s ignored: this CPU lacks %s\n", env,
-                   missing.c_str());
-      return BestPath();
-    }
-    return *p;
-  }();
+  static const GemvInt8Path path = internal::PathFromEnvironment(
+      "VLM_GEMV_INT8_PATH", BestPath(), ParseGemvInt8Path,
+      [](GemvInt8Path p, std::string* missing) { return GemvInt8PathSupported(p, missing); });
   return path;
 }
 
@@ -541,8 +500,7 @@ absl::Status GemvInt8(const at::Tensor& x, const QuantizedWeight& w, at::Tensor*
     } else {
       QuantizeX(x, w.k_padded(), vnni, options.threads, &qx);
     }
-    Output out{y->data_ptr(), y->scalar_type() == at::kBFloat16, n, options.prefetch_l1,
-               options.row_pair_order};
+    Output out{y->data_ptr(), y->scalar_type() == at::kBFloat16, n};
     // Blocks of rows_per_task rows (a multiple of 32: threads never share an
     // output cache line).
     const bool prefill = batch > kDecodeBatch;

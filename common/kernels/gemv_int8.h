@@ -53,15 +53,6 @@ GemvInt8Path DefaultGemvInt8Path();
 struct GemvInt8Options {
   std::optional<GemvInt8Path> path;  // overrides the default; must be supported
   int threads = 0;                   // 0: DefaultThreads()
-  // Decode batches (≤ 8 rows) on avx512vnni: the previous software prefetch
-  // (into L1, 2 KiB ahead of each row) instead of into L2 past the row tile.
-  // Same results; for benchmarks that compare the two.
-  bool prefetch_l1 = false;
-  // Decode batches of 5-8 rows on avx512vnni: the previous order, each row
-  // pair serving every batch row in turn, instead of a task's rows serving
-  // batch rows 0-3 and then 4.. (the weights of the second pass from L2).
-  // Same results; for benchmarks that compare the two.
-  bool row_pair_order = false;
 };
 
 // x: [B, K] bf16 or f32, any B, unit stride along K. y: [B, N] f32 or bf16, unit stride along N; allocated as f32 when

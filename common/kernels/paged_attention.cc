@@ -1,11 +1,5 @@
 #include "common/kernels/paged_attention.h"
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -21,14 +15,15 @@
 #include "common/cpu_features.h"
 #include "common/kernels/simd_math.h"
 #include "common/kernels/thread_pool.h"
+#include "common/kernels/path_override.h"
+#include "common/kernels/simd.h"
 
 namespace vlm {
 namespace {
 
 using Bf16 = c10::BFloat16;
 
-inline float ToF(float v) { return v; }
-inline float ToF(Bf16 v) { return static_cast<float>(v); }
+using kernels::simd::ToF32;
 
 // One work item: queries [i0, i1) of a run, one KV head.
 struct Item {
@@ -65,7 +60,7 @@ void Begin(const Item& it, const Geometry& g, const T* q, Scratch& w) {
     for (int64_t h = 0; h < g.group; ++h) {
       const T* src = q + (row * g.hq + it.kv_head * g.group + h) * g.d;
       float* dst = w.q.data() + ((i - it.i0) * g.group + h) * g.d;
-      for (int64_t k = 0; k < g.d; ++k) dst[k] = ToF(src[k]) * g.scale;
+      for (int64_t k = 0; k < g.d; ++k) dst[k] = ToF32(src[k]) * g.scale;
     }
   }
 }
@@ -106,9 +101,9 @@ void ItemScalar(const Item& it, const Geometry& g, const T* q, const T* kc, cons
     const int64_t base = (static_cast<int64_t>(it.run->block_table[b]) * g.hkv + it.kv_head) * bs * d;
     // Keys are stored dimension-major within a block ([D, bs]), values [bs, D].
     for (int64_t t = 0; t < nk; ++t) {
-      for (int64_t k = 0; k < d; ++k) w.kf[t * d + k] = ToF(kc[base + k * bs + t]);
+      for (int64_t k = 0; k < d; ++k) w.kf[t * d + k] = ToF32(kc[base + k * bs + t]);
     }
-    for (int64_t t = 0; t < nk * d; ++t) w.vf[t] = ToF(vc[base + t]);
+    for (int64_t t = 0; t < nk * d; ++t) w.vf[t] = ToF32(vc[base + t]);
     for (int64_t i = it.i0; i < it.i1; ++i) {
       const int64_t valid = Visible(it, i, b, bs);
       if (valid <= 0) continue;
@@ -152,23 +147,8 @@ void ItemScalar(const Item& it, const Geometry& g, const T* q, const T* kc, cons
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define VLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-VLM_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-VLM_AVX512 inline __m512 Load16(const Bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// 16 keys' element c from a block stored [D, bs]: lanes in `mask` read, the
-// rest 0 (bf16 widened exactly).
-VLM_AVX512 inline __m512 LoadKeys(const float* p, __mmask16 mask) {
-  return _mm512_maskz_loadu_ps(mask, p);
-}
-VLM_AVX512 inline __m512 LoadKeys(const Bf16* p, __mmask16 mask) {
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using kernels::simd::Load16;
 
 // A group of up to 16 keys of one block: element c of key l at p[c·bs + l].
 template <typename T>
@@ -183,7 +163,7 @@ struct KeyGroup {
 // (decode has V = 2: one 16-key group alone would wait on it). Keys are read
 // where the cache stores them, dimension-major, so no transposition is needed.
 template <int V, int J, typename T>
-VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const KeyGroup<T>* groups,
+VLM_TARGET_AVX512 inline void ScoreTile(const float* q0, int64_t d, const KeyGroup<T>* groups,
                                  int64_t bs, int64_t ld, float* s) {
   __m512 acc[V][J];
 #pragma GCC unroll 4
@@ -193,7 +173,7 @@ VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const KeyGroup<T>* 
   for (int64_t c = 0; c < d; ++c) {
     __m512 k[J];
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) k[j] = LoadKeys(groups[j].p + c * bs, groups[j].mask);
+    for (int j = 0; j < J; ++j) k[j] = Load16(groups[j].p + c * bs, groups[j].mask);
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       const __m512 qv = _mm512_set1_ps(q0[v * d + c]);
@@ -209,7 +189,7 @@ VLM_AVX512 inline void ScoreTile(const float* q0, int64_t d, const KeyGroup<T>* 
 
 // ScoreTile over `count` key groups for V query vectors.
 template <int V, int J, typename T>
-VLM_AVX512 inline void ScoreRows(const float* q0, int64_t d, const KeyGroup<T>* groups,
+VLM_TARGET_AVX512 inline void ScoreRows(const float* q0, int64_t d, const KeyGroup<T>* groups,
                                  int64_t count, int64_t bs, int64_t ld, float* s) {
   int64_t j = 0;
   for (; j + J <= count; j += J) ScoreTile<V, J>(q0, d, groups + j, bs, ld, s + 16 * j);
@@ -220,7 +200,7 @@ VLM_AVX512 inline void ScoreRows(const float* q0, int64_t d, const KeyGroup<T>* 
 // apart), c over U vectors of 16 from c0; per element the sum runs over t in
 // order. v: the block's values [nk, d] as stored (bf16 widened exactly).
 template <int H, int U, typename T>
-VLM_AVX512 inline void ValueTile(const T* v, int64_t d, int64_t c0, int64_t valid, const float* e,
+VLM_TARGET_AVX512 inline void ValueTile(const T* v, int64_t d, int64_t c0, int64_t valid, const float* e,
                                  int64_t ld_e, float* acc) {
   __m512 a[H][U];
 #pragma GCC unroll 2
@@ -245,7 +225,7 @@ VLM_AVX512 inline void ValueTile(const T* v, int64_t d, int64_t c0, int64_t vali
 }
 
 template <int H, typename T>
-VLM_AVX512 inline void ValueRows(const T* v, int64_t d, int64_t valid, const float* e,
+VLM_TARGET_AVX512 inline void ValueRows(const T* v, int64_t d, int64_t valid, const float* e,
                                  int64_t ld_e, float* acc) {
   const int64_t nv = d / 16;
   int64_t c = 0;
@@ -259,7 +239,7 @@ VLM_AVX512 inline void ValueRows(const T* v, int64_t d, int64_t valid, const flo
 constexpr int64_t kStepBlocks = 4;
 
 template <typename T>
-VLM_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const T* kc,
+VLM_TARGET_AVX512 void ItemAvx512(const Item& it, const Geometry& g, const T* q, const T* kc,
                            const T* vc, Scratch& w, T* out) {
   Begin(it, g, q, w);
   const int64_t bs = g.block_size, d = g.d;
@@ -398,22 +378,12 @@ bool AttentionPathSupported(AttentionPath path) {
 }
 
 AttentionPath DefaultAttentionPath() {
-  static const AttentionPath path = [] {
-    const AttentionPath best = *ParseAttentionPath("auto");
-    const char* env = std::getenv("VLM_ATTENTION_PATH");
-    if (env == nullptr || *env == '\0') return best;
-    absl::StatusOr<AttentionPath> p = ParseAttentionPath(env);
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_ATTENTION_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return best;
-    }
-    if (!AttentionPathSupported(*p)) {
-      std::fprintf(stderr, "VLM_ATTENTION_PATH=%s ignored: this CPU lacks AVX-512\n", env);
-      return best;
-    }
-    return *p;
-  }();
+  static const AttentionPath path = kernels::internal::PathFromEnvironment(
+      "VLM_ATTENTION_PATH", *ParseAttentionPath("auto"), ParseAttentionPath,
+      [](AttentionPath p, std::string* missing) {
+        if (!AttentionPathSupported(p)) *missing = "AVX-512 F/BW/VL/DQ";
+        return AttentionPathSupported(p);
+      });
   return path;
 }
 

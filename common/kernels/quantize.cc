@@ -10,21 +10,15 @@
 
 #include <ATen/ATen.h>
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
 #include "common/kernels/thread_pool.h"
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels {
 namespace {
 
-float ToF32(const float* p, int64_t i) { return p[i]; }
-float ToF32(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+using simd::ToF32;
 
 float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
@@ -52,7 +46,7 @@ bool QuantizeRowScalar(const T* row, int64_t k, int64_t kp, uint8_t* dst, float*
   float amax_row = 0;
   bool finite = true;
   for (int64_t i = 0; i < k; ++i) {
-    const float v = ToF32(row, i);
+    const float v = ToF32(row[i]);
     finite &= std::isfinite(v);
     amax_row = std::max(amax_row, std::fabs(v));
   }
@@ -61,36 +55,27 @@ bool QuantizeRowScalar(const T* row, int64_t k, int64_t kp, uint8_t* dst, float*
   for (int64_t g = 0; g < kp / kInt8Group; ++g) {
     const int64_t i0 = g * kInt8Group, i1 = std::min(k, i0 + kInt8Group);
     float amax = 0;
-    for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(ToF32(row, i)));
+    for (int64_t i = i0; i < i1; ++i) amax = std::max(amax, std::fabs(ToF32(row[i])));
     const uint16_t ratio = amax_row > 0 ? c10::Half(amax / amax_row).x : uint16_t{0};
     ratios[g] = ratio;
     const float scale = *row_scale * HalfToFloat(ratio);
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     for (int64_t i = i0; i < i0 + kInt8Group; ++i) {
       const float q =
-          i < i1 ? std::clamp(std::nearbyint(ToF32(row, i) * inv), -127.0f, 127.0f) : 0.0f;
+          i < i1 ? std::clamp(std::nearbyint(ToF32(row[i]) * inv), -127.0f, 127.0f) : 0.0f;
       dst[i] = static_cast<uint8_t>(static_cast<int>(q) + 128);
     }
   }
   return true;
 }
 
-#define VLM_TARGET_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
-
 // 16 elements i.. of a row as f32; lanes at or past k are zero.
-VLM_TARGET_AVX512BW inline __m512 Load16(const float* row, int64_t i, int64_t k) {
-  if (i >= k) return _mm512_setzero_ps();
-  const __mmask16 m = static_cast<__mmask16>(i + 16 <= k ? 0xFFFF : (1u << (k - i)) - 1);
-  return _mm512_maskz_loadu_ps(m, row + i);
-}
-VLM_TARGET_AVX512BW inline __m512 Load16(const c10::BFloat16* row, int64_t i, int64_t k) {
-  if (i >= k) return _mm512_setzero_ps();
-  const __mmask16 m = static_cast<__mmask16>(i + 16 <= k ? 0xFFFF : (1u << (k - i)) - 1);
-  const __m256i h = _mm256_maskz_loadu_epi16(m, row + i);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+template <typename T>
+VLM_TARGET_AVX512_F16C inline __m512 Load16(const T* row, int64_t i, int64_t k) {
+  return simd::Load16(row + i, simd::Mask16(k - i));
 }
 
-VLM_TARGET_AVX512BW inline __m128i Round16(__m512 v, __m512 inv) {
+VLM_TARGET_AVX512_F16C inline __m128i Round16(__m512 v, __m512 inv) {
   const __m512i lim = _mm512_set1_epi32(127), neg_lim = _mm512_set1_epi32(-127);
   // VCVTPS2DQ rounds to nearest even (the default mode), as nearbyint does.
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
@@ -99,7 +84,7 @@ VLM_TARGET_AVX512BW inline __m128i Round16(__m512 v, __m512 inv) {
 }
 
 template <typename T>
-VLM_TARGET_AVX512BW bool QuantizeRowAvx512(const T* row, int64_t k, int64_t kp, uint8_t* dst,
+VLM_TARGET_AVX512_F16C bool QuantizeRowAvx512(const T* row, int64_t k, int64_t kp, uint8_t* dst,
                                            float* row_scale, uint16_t* ratios) {
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   __m512 amax_v = _mm512_setzero_ps();
@@ -134,7 +119,7 @@ int64_t QuantizeRows(const T* src, int64_t ld, QuantizedWeight* q, uint8_t* data
   const int64_t n = q->n(), k = q->k(), kp = q->k_padded(), groups = q->groups();
   std::atomic<int64_t> bad_row{-1};
   const CpuFeatures& f = GetCpuFeatures();
-  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl;
+  const bool avx512 = f.fast_bf16_matmul() && f.f16c;
   ParallelFor(n, 0, 64, [&](int64_t r0, int64_t r1) {
     std::vector<uint8_t> natural(kp);
     for (int64_t r = r0; r < r1; ++r) {

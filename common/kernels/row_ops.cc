@@ -1,13 +1,5 @@
 #include "common/kernels/row_ops.h"
 
-// GCC 12's AVX-512 headers trip -Wuninitialized when inlined into
-// target-attributed functions (their _mm512_undefined_* idiom).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-
 #include <cmath>
 #include <functional>
 #include <cstring>
@@ -19,6 +11,7 @@
 #include "common/kernels/simd_math.h"
 #include "common/kernels/gemm_f32.h"
 #include "common/kernels/thread_pool.h"
+#include "common/kernels/simd.h"
 
 namespace vlm {
 namespace {
@@ -52,8 +45,7 @@ void CheckRows(const at::Tensor& x, const char* what) {
               x.toString(), " ", x.sizes());
 }
 
-inline float ToF(float v) { return v; }
-inline float ToF(Bf16 v) { return static_cast<float>(v); }
+using kernels::simd::ToF32;
 // Rounds through T (identity for float, round-to-nearest-even for bf16).
 template <typename T>
 inline float Round(float v) {
@@ -67,70 +59,51 @@ inline float Round(float v) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define VLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-inline __mmask16 Mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
-}
+using kernels::simd::Load16;
+using kernels::simd::Mask16;
+using kernels::simd::Store16;
 
-VLM_AVX512 inline __m512 Load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-VLM_AVX512 inline __m512 Load(const Bf16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-// f32 -> bf16 bits, round to nearest even (c10::BFloat16's rule; NaN stays NaN).
-VLM_AVX512 inline __m256i ToBf16Bits(__m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-VLM_AVX512 inline void Store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-VLM_AVX512 inline void Store(Bf16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, ToBf16Bits(v));
-}
-VLM_AVX512 inline __m512 RoundTo(float*, __m512 v) { return v; }
-VLM_AVX512 inline __m512 RoundTo(Bf16*, __m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(ToBf16Bits(v)), 16));
+VLM_TARGET_AVX512 inline __m512 RoundTo(float*, __m512 v) { return v; }
+VLM_TARGET_AVX512 inline __m512 RoundTo(Bf16*, __m512 v) {
+  return kernels::simd::RoundBf16(v);
 }
 
 template <typename T>
-VLM_AVX512 void RmsNormRowAvx512(const T* x, const T* w, int64_t n, float eps, T* out) {
+VLM_TARGET_AVX512 void RmsNormRowAvx512(const T* x, const T* w, int64_t n, float eps, T* out) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t k = 0; k < n; k += 16) {
-    const __m512 v = Load(x + k, Mask(n - k));
+    const __m512 v = Load16(x + k, Mask16(n - k));
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(n);
   const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
   for (int64_t k = 0; k < n; k += 16) {
-    const __mmask16 m = Mask(n - k);
-    const __m512 y = RoundTo(static_cast<T*>(nullptr), _mm512_mul_ps(Load(x + k, m), inv));
-    Store(out + k, _mm512_mul_ps(Load(w + k, m), y), m);
+    const __mmask16 m = Mask16(n - k);
+    const __m512 y = RoundTo(static_cast<T*>(nullptr), _mm512_mul_ps(Load16(x + k, m), inv));
+    Store16(out + k, _mm512_mul_ps(Load16(w + k, m), y), m);
   }
   _mm256_zeroupper();
 }
 
 template <typename T>
-VLM_AVX512 void AddRowAvx512(T* x, const T* y, int64_t n) {
+VLM_TARGET_AVX512 void AddRowAvx512(T* x, const T* y, int64_t n) {
   for (int64_t k = 0; k < n; k += 16) {
-    const __mmask16 m = Mask(n - k);
-    Store(x + k, _mm512_add_ps(Load(x + k, m), Load(y + k, m)), m);
+    const __mmask16 m = Mask16(n - k);
+    Store16(x + k, _mm512_add_ps(Load16(x + k, m), Load16(y + k, m)), m);
   }
   _mm256_zeroupper();
 }
 
 template <typename T>
-VLM_AVX512 void SiluMulRowAvx512(const T* gate, const T* up, int64_t n, T* out) {
+VLM_TARGET_AVX512 void SiluMulRowAvx512(const T* gate, const T* up, int64_t n, T* out) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t k = 0; k < n; k += 16) {
-    const __mmask16 m = Mask(n - k);
-    const __m512 g = Load(gate + k, m);
+    const __mmask16 m = Mask16(n - k);
+    const __m512 g = Load16(gate + k, m);
     const __m512 e = kernels::internal::Exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 s = RoundTo(static_cast<T*>(nullptr), _mm512_div_ps(g, _mm512_add_ps(one, e)));
-    Store(out + k, _mm512_mul_ps(s, Load(up + k, m)), m);
+    Store16(out + k, _mm512_mul_ps(s, Load16(up + k, m)), m);
   }
   _mm256_zeroupper();
 }
@@ -142,21 +115,21 @@ VLM_AVX512 void SiluMulRowAvx512(const T* gate, const T* up, int64_t n, T* out) 
 template <typename T>
 void RmsNormRowScalar(const T* x, const T* w, int64_t n, float eps, T* out) {
   float ss = 0;
-  for (int64_t k = 0; k < n; ++k) ss += ToF(x[k]) * ToF(x[k]);
+  for (int64_t k = 0; k < n; ++k) ss += ToF32(x[k]) * ToF32(x[k]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t k = 0; k < n; ++k) out[k] = T(ToF(w[k]) * Round<T>(ToF(x[k]) * inv));
+  for (int64_t k = 0; k < n; ++k) out[k] = T(ToF32(w[k]) * Round<T>(ToF32(x[k]) * inv));
 }
 
 template <typename T>
 void AddRowScalar(T* x, const T* y, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) x[k] = T(ToF(x[k]) + ToF(y[k]));
+  for (int64_t k = 0; k < n; ++k) x[k] = T(ToF32(x[k]) + ToF32(y[k]));
 }
 
 template <typename T>
 void SiluMulRowScalar(const T* gate, const T* up, int64_t n, T* out) {
   for (int64_t k = 0; k < n; ++k) {
-    const float g = ToF(gate[k]);
-    out[k] = T(Round<T>(g / (1.0f + std::exp(-g))) * ToF(up[k]));
+    const float g = ToF32(gate[k]);
+    out[k] = T(Round<T>(g / (1.0f + std::exp(-g))) * ToF32(up[k]));
   }
 }
 
@@ -226,7 +199,7 @@ void RotaryRows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       const float* s = sp + r * d;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = xp + (r * heads + h) * d;
-        for (int64_t j = 0; j < d; ++j) f[j] = ToF(row[j]);
+        for (int64_t j = 0; j < d; ++j) f[j] = ToF32(row[j]);
         for (int64_t j = 0; j < half; ++j) row[j] = T(f[j] * c[j] - f[j + half] * s[j]);
         for (int64_t j = half; j < d; ++j) row[j] = T(f[j] * c[j] + f[j - half] * s[j]);
       }

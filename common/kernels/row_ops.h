@@ -11,7 +11,7 @@
 //
 // Arithmetic follows nn:: (common/nn.h) step by step in float32 with the same
 // roundings to the compute dtype; sums may be ordered differently, so results
-// agree with nn:: to float32 summation order, not bitwise. AVX-512F kernels
+// agree with nn:: to float32 summation order, not bitwise. AVX-512 kernels
 // when the CPU has them, portable loops otherwise (fixed per process).
 //
 // Tensors: contiguous CPU float32 or bfloat16 (x and its output share a

@@ -1,20 +1,16 @@
 // Internal to common/kernels (and common/nn.cc): f32 math on AVX-512 and AVX2
 // vectors shared by the GEMM epilogues, the row ops and every softmax; the one
-// place the vector exp is written. Callers are compiled for
-// AVX-512 F (Exp) or AVX2 + FMA (Exp8).
+// place the vector exp is written. Callers are compiled for VLM_TARGET_AVX512
+// (Exp) or VLM_TARGET_AVX2 (Exp8), simd.h.
 #pragma once
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels::internal {
 
 // exp(x) for x already inside [-87.3, 88.7] (Cephes expf: range reduction by
 // ln 2, degree-5 polynomial, ~1 ulp).
-__attribute__((target("avx512f"), always_inline)) inline __m512 ExpInRange(__m512 x) {
+VLM_INLINE_AVX512 __m512 ExpInRange(__m512 x) {
   const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
@@ -31,14 +27,14 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 ExpInRange(__m51
 
 // exp(x), x clamped to [-87.3, 88.7]; -inf gives exp(-87.3) ≈ 1e-38, not 0:
 // callers that need exact zeros use ExpNonPositive or mask them.
-__attribute__((target("avx512f"), always_inline)) inline __m512 Exp(__m512 x) {
+VLM_INLINE_AVX512 __m512 Exp(__m512 x) {
   return ExpInRange(
       _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f)));
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum); x below -87
 // (incl. -inf) gives exactly 0.
-__attribute__((target("avx512f"), always_inline)) inline __m512 ExpNonPositive(__m512 x) {
+VLM_INLINE_AVX512 __m512 ExpNonPositive(__m512 x) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny),
                              ExpInRange(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))));
@@ -47,7 +43,7 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 ExpNonPositive(_
 // Exp on 8 lanes with AVX2 + FMA: the same reduction and polynomial as Exp;
 // 2^n is applied in two halves so n = 128 at the top of the range does not
 // overflow the exponent field.
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 Exp8(__m256 x) {
+VLM_INLINE_AVX2 __m256 Exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -42,6 +42,7 @@
 #include "common/kernels/paged_attention.h"
 #include "services/language/model/projector.h"
 #include "scripts/bench/read_bandwidth.h"
+#include "scripts/bench/bench_util.h"
 
 ABSL_FLAG(std::string, checkpoint, "", "model directory");
 ABSL_FLAG(int, threads, 2, "intra-op threads");
@@ -103,10 +104,7 @@ std::string CpuModelName() {
   return name;
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+using vlm::bench::Median;
 
 double Seconds(const std::function<void()>& f) {
   const double t = Now();

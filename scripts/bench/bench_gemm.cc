@@ -3,21 +3,21 @@
 // peak measured in the same run by a register-only micro-kernel (AVX-512 BF16
 // VDPBF16PS loop; AMX TDPBF16PS tile loop where the CPU has AMX).
 //
-// "old" is the previous avx512bf16 block kernel (K blocks of 256, x copied per
-// block, 96-row x 8-panel tasks), frozen below so every run shows old and new
-// side by side; "kernel" is common/kernels' current one (Gemm, default avx512bf16).
+// "kernel" is common/kernels' Gemm on the avx512bf16 path; its share of the
+// measured peak is the bound it is judged by, at::linear the outside reference.
+// (Comparing two versions of the kernel: scripts/bench/compare_commits.sh.)
 //
 // Tables (medians over --reps; implementations interleaved per repetition so
 // load from other processes hits them alike):
-//   1. GFLOP/s per shape and M = 64..2048 (wall time, --threads): kernel, old,
+//   1. GFLOP/s per shape and M = 64..2048 (wall time, --threads): kernel,
 //      amx (where present), avx2 (the AVX2 + FMA path for CPUs without AVX-512,
 //      on the same panels), at::linear; the kernel's share of the peak and its
-//      ratio to at::linear and to old.
+//      ratio to at::linear.
 //   2. The same for short prefill chunks, M = 1, 4, 8, 16.
 //   3. One thread, GFLOP per second of the thread's own CPU time
 //      (CLOCK_THREAD_CPUTIME_ID): time the thread was descheduled does not
 //      count, so this table stays meaningful on a machine shared with other
-//      work; kernel, old and at::linear (1 intra-op thread) against the
+//      work; kernel and at::linear (1 intra-op thread) against the
 //      1-thread peak measured the same way.
 //   4. "No cliffs": every M in --cliff_min..--cliff_max on 2048->6144, time per row on
 //      one thread in thread CPU time (the shape's tiling decides cliffs, and
@@ -57,9 +57,9 @@
 
 #include "common/cpu_features.h"
 #include "common/kernels/gemm.h"
-#include "common/kernels/gemm_internal.h"
 #include "common/kernels/thread_pool.h"
 #include "common/omp_wait_policy.h"
+#include "scripts/bench/bench_util.h"
 #include "scripts/bench/on_threads.h"
 #include "scripts/bench/peak_bf16.h"
 
@@ -71,35 +71,13 @@ using vlm::kernels::GemmOptions;
 using vlm::kernels::GemmPath;
 using vlm::kernels::PackedWeight;
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string LoadAverage() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
-double ThreadCpuSeconds(const std::function<void()>& fn) {
-  timespec a, b;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
-  fn();
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
-  return (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
-}
-
-double Seconds(const std::function<void()>& fn) {
-  const auto t0 = Clock::now();
-  fn();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
+using vlm::bench::ArgInt;
+using vlm::bench::ArgList;
+using vlm::bench::LoadAverage;
+using vlm::bench::Median;
 using vlm::bench::OnThreads;
+using vlm::bench::Seconds;
+using vlm::bench::ThreadCpuSeconds;
 
 // --- peak micro-kernels ------------------------------------------------------
 // VDPBF16PS: scripts/bench/peak_bf16.h.
@@ -151,283 +129,10 @@ double PeakAmx(int threads) {
   return static_cast<double>(iters) * 4 * 16 * 16 * 32 * 2 * threads / s / 1e9;
 }
 
-// --- the old block kernel (frozen copy, for the side-by-side columns) --------
-namespace old {
-
-using vlm::kernels::internal::kMicroRows;
-using vlm::kernels::internal::kPanelCols;
-
-#define OLD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-// R rows x P panels, x read in place (row stride ld_x); accumulate: continue
-// the sums in out (a previous K block).
-template <int R, int P>
-OLD_TARGET inline void Micro(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
-                            int64_t panel_stride, float* out, bool accumulate) {
-  __m512 acc[P][2][R];
-#pragma GCC unroll 8
-  for (int q = 0; q < P; ++q)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      if (accumulate) {
-        acc[q][0][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols);
-        acc[q][1][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16);
-      } else {
-        acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
-      }
-    }
-  const int64_t pairs = k / 2;
-  const uint16_t* b = panel;
-  for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
-    __m512bh bv[P][2];
-#pragma GCC unroll 8
-    for (int q = 0; q < P; ++q) {
-      bv[q][0] = (__m512bh)_mm512_load_si512(b + q * panel_stride);
-      bv[q][1] = (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      int32_t v;
-      std::memcpy(&v, x + r * ld_x + 2 * p, sizeof v);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(v);
-#pragma GCC unroll 8
-      for (int q = 0; q < P; ++q) {
-        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a, bv[q][0]);
-        acc[q][1][r] = _mm512_dpbf16_ps(acc[q][1][r], a, bv[q][1]);
-      }
-    }
-  }
-  if (k & 1) {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(x[r * ld_x + k - 1]);
-#pragma GCC unroll 8
-      for (int q = 0; q < P; ++q) {
-        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a,
-                                        (__m512bh)_mm512_load_si512(b + q * panel_stride));
-        acc[q][1][r] = _mm512_dpbf16_ps(
-            acc[q][1][r], a, (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols));
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int q = 0; q < P; ++q)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols, acc[q][0][r]);
-      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16, acc[q][1][r]);
-    }
-}
-
-constexpr int PanelsFor(int rows) { return rows == 1 ? 6 : rows == 2 ? 3 : rows <= 5 ? 2 : 1; }
-
-template <int R, int P = PanelsFor(R)>
-OLD_TARGET void MicroRows(const uint16_t* x, int64_t ld_x, int64_t k, const uint16_t* panel,
-                         int64_t panel_stride, int panels, float* out, bool accumulate) {
-  if constexpr (P > 1) {
-    if (panels < P) {
-      return MicroRows<R, P - 1>(x, ld_x, k, panel, panel_stride, panels, out, accumulate);
-    }
-  }
-  Micro<R, P>(x, ld_x, k, panel, panel_stride, out, accumulate);
-}
-
-template <int R>
-OLD_TARGET void Dispatch(const uint16_t* x, int64_t ld_x, int rows, int64_t k,
-                        const uint16_t* panel, int64_t stride, int panels, float* acc,
-                        bool accumulate = false) {
-  if constexpr (R > 1) {
-    if (rows < R) return Dispatch<R - 1>(x, ld_x, rows, k, panel, stride, panels, acc, accumulate);
-  }
-  MicroRows<R>(x, ld_x, k, panel, stride, panels, acc, accumulate);
-}
-
-// MicroPacked: Micro on a copied x slice (row stride kXStride, even length);
-// kPrefetch also pulls the next panel slice into L2, two lines per pair.
-constexpr int64_t kKBlock = 256;
-constexpr int64_t kXStride = kKBlock + 32;
-
-template <int R, int P, bool kPrefetch = false>
-OLD_TARGET inline void MicroPacked(const uint16_t* x, int64_t k, const uint16_t* panel,
-                                  int64_t panel_stride, float* out, bool accumulate,
-                                  const uint16_t* prefetch = nullptr) {
-  __m512 acc[P][2][R];
-#pragma GCC unroll 8
-  for (int q = 0; q < P; ++q)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      if (accumulate) {
-        acc[q][0][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols);
-        acc[q][1][r] = _mm512_load_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16);
-      } else {
-        acc[q][0][r] = acc[q][1][r] = _mm512_setzero_ps();
-      }
-    }
-  const int64_t pairs = (k + 1) / 2;
-  const uint16_t* b = panel;
-  for (int64_t p = 0; p < pairs; ++p, b += 2 * kPanelCols) {
-    if constexpr (kPrefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kPanelCols + kPanelCols),
-                   _MM_HINT_T1);
-    }
-    __m512bh bv[P][2];
-#pragma GCC unroll 8
-    for (int q = 0; q < P; ++q) {
-      bv[q][0] = (__m512bh)_mm512_load_si512(b + q * panel_stride);
-      bv[q][1] = (__m512bh)_mm512_load_si512(b + q * panel_stride + kPanelCols);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      int32_t v;
-      std::memcpy(&v, x + r * kXStride + 2 * p, sizeof v);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(v);
-#pragma GCC unroll 8
-      for (int q = 0; q < P; ++q) {
-        acc[q][0][r] = _mm512_dpbf16_ps(acc[q][0][r], a, bv[q][0]);
-        acc[q][1][r] = _mm512_dpbf16_ps(acc[q][1][r], a, bv[q][1]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int q = 0; q < P; ++q)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols, acc[q][0][r]);
-      _mm512_store_ps(out + q * kMicroRows * kPanelCols + r * kPanelCols + 16, acc[q][1][r]);
-    }
-}
-
-// The previous Avx512Bf16Block: K in blocks of 256, x slices copied per block
-// at a 576-byte row stride, panel slices reused from L1 across row tiles,
-// fewer than 12 rows walk each panel over the whole K.
-OLD_TARGET void Block(const vlm::kernels::internal::Problem& p, int64_t m0, int64_t m1, int64_t j0,
-                     int64_t j1) {
-  const int64_t stride = p.w.kpairs * 2 * kPanelCols;
-  const int64_t k = p.w.k;
-  const int64_t panels = j1 - j0;
-  const int64_t full_tiles = (m1 - m0) / kMicroRows;
-  const int tail_rows = static_cast<int>((m1 - m0) % kMicroRows);
-  constexpr int64_t kTile = kMicroRows * kPanelCols;
-  thread_local std::vector<uint16_t> x_buf;
-  thread_local std::vector<float> sums_buf;
-  const int64_t ld_tail = (k + 31) / 32 * 32 + 32;
-  x_buf.resize(static_cast<size_t>(std::max((m1 - m0) * kXStride, tail_rows * ld_tail) + 32));
-  uint16_t* xs = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(x_buf.data()) + 63) & ~uintptr_t{63});
-  if (full_tiles > 0) {
-    const int64_t tiles = full_tiles + (tail_rows > 0 ? 1 : 0);
-    sums_buf.resize(static_cast<size_t>((tiles * panels + 6) * kTile + 16));
-    float* sums = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(sums_buf.data()) + 63) & ~uintptr_t{63});
-    const int group = tail_rows > 0 ? PanelsFor(tail_rows) : 1;
-    for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
-      const int64_t kc = k - k0 < kKBlock ? k - k0 : kKBlock;
-      const bool accumulate = k0 > 0;
-      for (int64_t r = 0; r < m1 - m0; ++r) {
-        uint16_t* dst = xs + r * kXStride;
-        std::memcpy(dst, p.x + (m0 + r) * p.ld_x + k0, kc * sizeof(uint16_t));
-        if (kc & 1) dst[kc] = 0;
-      }
-      for (int64_t j = j0; j < j1; ++j) {
-        const uint16_t* w = p.w.panel(j) + k0 * kPanelCols;
-        const uint16_t* next =
-            j + 1 < j1 ? w + stride : p.w.panel(j0) + (k0 + kKBlock) * kPanelCols;
-        const bool prefetch = j + 1 < j1 || k0 + kKBlock < k;
-        for (int64_t t = 0; t < full_tiles; ++t) {
-          float* out = sums + (t * panels + (j - j0)) * kTile;
-          if (t == 0 && prefetch) {
-            MicroPacked<kMicroRows, 1, true>(xs, kc, w, stride, out, accumulate, next);
-          } else {
-            MicroPacked<kMicroRows, 1>(xs + t * kMicroRows * kXStride, kc, w, stride, out,
-                                       accumulate);
-          }
-        }
-      }
-      if (tail_rows > 0) {
-        for (int64_t j = j0; j < j1; j += group) {
-          const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
-          Dispatch<kMicroRows>(xs + full_tiles * kMicroRows * kXStride, kXStride, tail_rows, kc,
-                               p.w.panel(j) + k0 * kPanelCols, stride, n,
-                               sums + (full_tiles * panels + (j - j0)) * kTile, accumulate);
-        }
-      }
-    }
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int rows = t < full_tiles ? kMicroRows : tail_rows;
-      for (int64_t j = j0; j < j1; ++j) {
-        vlm::kernels::internal::StoreTile(p.epilogue, m0 + t * kMicroRows, rows, j,
-                                          sums + (t * panels + (j - j0)) * kTile);
-      }
-    }
-  } else {
-    for (int r = 0; r < tail_rows; ++r) {
-      std::memcpy(xs + r * ld_tail, p.x + (m0 + r) * p.ld_x, k * sizeof(uint16_t));
-    }
-    const int group = PanelsFor(tail_rows);
-    alignas(64) float acc[6 * kTile];
-    for (int64_t j = j0; j < j1; j += group) {
-      const int n = static_cast<int>(j1 - j < group ? j1 - j : group);
-      Dispatch<kMicroRows>(xs, ld_tail, tail_rows, k, p.w.panel(j), stride, n, acc);
-      for (int q = 0; q < n; ++q) {
-        vlm::kernels::internal::StoreTile(p.epilogue, m0, tail_rows, j + q, acc + q * kTile);
-      }
-    }
-  }
-  _mm256_zeroupper();
-}
-
-// The previous work split: 96-row blocks x chunks of 8 panels.
-struct Weight {
-  std::vector<uint16_t, std::allocator<uint16_t>> storage;
-  vlm::kernels::internal::Panels panels;
-};
-
-Weight Pack(const at::Tensor& w_bf16) {
-  const int64_t n = w_bf16.size(0), k = w_bf16.size(1);
-  Weight w;
-  w.panels.k = k;
-  w.panels.kpairs = (k + 31) / 32 * 16;
-  w.panels.count = (n + kPanelCols - 1) / kPanelCols;
-  w.storage.resize(w.panels.count * w.panels.kpairs * 2 * kPanelCols + 32);
-  uint16_t* data = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(w.storage.data()) + 63) & ~uintptr_t{63});
-  const at::Tensor c = w_bf16.contiguous();
-  vlm::kernels::internal::PackPanels(reinterpret_cast<const uint16_t*>(c.data_ptr()), k, nullptr,
-                                     0, n, k, false, data, w.panels.kpairs, w.panels.count);
-  w.panels.data = data;
-  return w;
-}
-
-void Run(const at::Tensor& x, const Weight& w, at::Tensor& y, int threads) {
-  const int64_t m = x.size(0), n = y.size(1);
-  vlm::kernels::internal::Problem p;
-  p.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  p.ld_x = x.stride(0);
-  p.w = w.panels;
-  p.epilogue.y = y.data_ptr();
-  p.epilogue.y_bf16 = true;
-  p.epilogue.ld_y = y.stride(0);
-  p.epilogue.n = n;
-  const int64_t chunk = 8;
-  const int64_t chunks = (w.panels.count + chunk - 1) / chunk;
-  const int64_t row_blocks = (m + 95) / 96;
-  vlm::kernels::ParallelFor(chunks * row_blocks, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / chunks, c = t % chunks;
-      Block(p, b * 96, std::min(m, (b + 1) * 96), c * chunk,
-            std::min(w.panels.count, (c + 1) * chunk));
-    }
-  });
-}
-
-}  // namespace old
-
 // --- implementations ---------------------------------------------------------
 struct Problem {
   at::Tensor x, w;       // bf16 [M, K], [N, K]
-  PackedWeight packed;   // avx512bf16 layout (amx reads the same)
-  old::Weight old;        // the same panels, for the old kernel
+  PackedWeight packed;   // avx512bf16 layout (amx and avx2 read the same)
   at::Tensor y;          // bf16 [M, N]
 };
 
@@ -437,7 +142,6 @@ Problem MakeProblem(int64_t n, int64_t k) {
   absl::StatusOr<PackedWeight> packed = PackedWeight::Pack(p.w, {}, GemmPath::kAvx512Bf16);
   if (!packed.ok()) std::abort();
   p.packed = *packed;
-  p.old = old::Pack(p.w);
   return p;
 }
 
@@ -448,34 +152,7 @@ void RunKernel(Problem& p, int threads, std::optional<GemmPath> path) {
   if (!Gemm(p.x, p.packed, &p.y, o).ok()) std::abort();
 }
 
-void RunOld(Problem& p, int threads) { old::Run(p.x, p.old, p.y, threads); }
-
 void RunTorch(Problem& p) { at::linear_out(p.y, p.x, p.w); }
-
-int ArgInt(int argc, char** argv, const char* name, int fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) == 0) return std::atoi(argv[i + 1]);
-  }
-  return fallback;
-}
-
-// A comma-separated list of integers ("256,1024"), or `fallback` when absent.
-std::vector<int64_t> ArgList(int argc, char** argv, const char* name,
-                             std::vector<int64_t> fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) != 0) continue;
-    std::vector<int64_t> v;
-    for (const char* s = argv[i + 1]; *s != '\0';) {
-      char* end = nullptr;
-      const long long x = std::strtoll(s, &end, 10);
-      if (end == s) break;
-      v.push_back(x);
-      s = *end == ',' ? end + 1 : end;
-    }
-    return v;
-  }
-  return fallback;
-}
 
 }  // namespace
 
@@ -555,10 +232,10 @@ int main(int argc, char** argv) {
     std::printf("\n## %s: GFLOP/s, bf16, %d threads, wall time (median of %d); peak: the "
                 "VDPBF16PS loop sampled in the same repetitions%s\n\n", title, threads, reps,
                 have_amx ? " (AMX rows: the AMX peak above)" : "");
-    std::printf("| shape | M | kernel | old |%s%s at::linear | peak | kernel %% of peak | kernel / "
-                "at::linear | kernel / old |\n", have_amx ? " amx |" : "",
+    std::printf("| shape | M | kernel |%s%s at::linear | peak | kernel %% of peak | kernel / "
+                "at::linear |\n", have_amx ? " amx |" : "",
                 have_avx2 ? " avx2 | avx2 / kernel |" : "");
-    std::printf("|---|---|---|---|%s%s---|---|---|---|---|\n", have_amx ? "---|" : "",
+    std::printf("|---|---|---|%s%s---|---|---|---|\n", have_amx ? "---|" : "",
                 have_avx2 ? "---|---|" : "");
     for (const Shape& s : shapes) {
       Problem p = MakeProblem(s.n, s.k);
@@ -568,7 +245,7 @@ int main(int argc, char** argv) {
         const double flop = 2.0 * m * s.n * s.k;
         // Short problems repeat inside one timing so each sample is ~1 ms or more.
         const int inner = static_cast<int>(std::clamp<double>(4e8 / flop, 1, 200));
-        std::vector<double> tk, to, ta, t2, tt, pk;
+        std::vector<double> tk, ta, t2, tt, pk;
         for (int r = 0; r <= reps; ++r) {  // r = 0 warms up
           const double e = PeakAvx512Bf16(threads, 4'000'000);
           // Each implementation runs once untimed right before its timing, so
@@ -582,16 +259,14 @@ int main(int argc, char** argv) {
             });
           };
           const double a = timed([&] { RunKernel(p, threads, GemmPath::kAvx512Bf16); });
-          const double b = timed([&] { RunOld(p, threads); });
           const double c = have_amx ? timed([&] { RunKernel(p, threads, GemmPath::kAmx); }) : 0;
           const double f = have_avx2 ? timed([&] { RunKernel(p, threads, GemmPath::kAvx2); }) : 0;
           const double d = timed([&] { RunTorch(p); });
           if (r == 0) continue;
-          tk.push_back(a / inner), to.push_back(b / inner), ta.push_back(c / inner),
-              t2.push_back(f / inner), tt.push_back(d / inner), pk.push_back(e);
+          tk.push_back(a / inner), ta.push_back(c / inner), t2.push_back(f / inner),
+              tt.push_back(d / inner), pk.push_back(e);
         }
-        const double gk = flop / Median(tk) / 1e9, go = flop / Median(to) / 1e9,
-                     gt = flop / Median(tt) / 1e9;
+        const double gk = flop / Median(tk) / 1e9, gt = flop / Median(tt) / 1e9;
         char amx_col[32] = "";
         if (have_amx) std::snprintf(amx_col, sizeof amx_col, " %.0f |", flop / Median(ta) / 1e9);
         char avx2_col[48] = "";
@@ -600,9 +275,9 @@ int main(int argc, char** argv) {
           std::snprintf(avx2_col, sizeof avx2_col, " %.0f | %.2fx |", g2, g2 / gk);
         }
         const double row_peak = Median(pk);
-        std::printf("| %s | %lld | %.0f | %.0f |%s%s %.0f | %.0f | %.0f%% | %.2fx | %.2fx |\n",
-                    s.name, static_cast<long long>(m), gk, go, amx_col, avx2_col, gt, row_peak,
-                    100 * gk / row_peak, gk / gt, gk / go);
+        std::printf("| %s | %lld | %.0f |%s%s %.0f | %.0f | %.0f%% | %.2fx |\n", s.name,
+                    static_cast<long long>(m), gk, amx_col, avx2_col, gt, row_peak,
+                    100 * gk / row_peak, gk / gt);
       }
     }
   };
@@ -616,9 +291,8 @@ int main(int argc, char** argv) {
     at::set_num_threads(1);
     std::printf("\n## One thread, GFLOP per CPU-second of the thread (median of %d); 1-thread "
                 "peak %.0f\n\n", reps, peak1);
-    std::printf("| shape | M | kernel | old | at::linear | kernel %% of peak | kernel / at::linear "
-                "| kernel / old |\n");
-    std::printf("|---|---|---|---|---|---|---|---|\n");
+    std::printf("| shape | M | kernel | at::linear | kernel %% of peak | kernel / at::linear |\n");
+    std::printf("|---|---|---|---|---|---|\n");
     for (const Shape& s : shapes) {
       Problem p = MakeProblem(s.n, s.k);
       for (int64_t m : cpu_ms) {
@@ -626,23 +300,19 @@ int main(int argc, char** argv) {
         p.y = at::empty({m, s.n}, at::kBFloat16);
         const double flop = 2.0 * m * s.n * s.k;
         const int inner = static_cast<int>(std::clamp<double>(4e8 / flop, 1, 200));
-        std::vector<double> tk, to, tt;
+        std::vector<double> tk, tt;
         for (int r = 0; r <= reps; ++r) {
           const double a = ThreadCpuSeconds([&] {
             for (int i = 0; i < inner; ++i) RunKernel(p, 1, GemmPath::kAvx512Bf16);
           });
-          const double b = ThreadCpuSeconds([&] {
-            for (int i = 0; i < inner; ++i) RunOld(p, 1);
-          });
           const double c = ThreadCpuSeconds([&] {
             for (int i = 0; i < inner; ++i) RunTorch(p);
           });
-          if (r > 0) tk.push_back(a / inner), to.push_back(b / inner), tt.push_back(c / inner);
+          if (r > 0) tk.push_back(a / inner), tt.push_back(c / inner);
         }
-        const double gk = flop / Median(tk) / 1e9, go = flop / Median(to) / 1e9,
-                     gt = flop / Median(tt) / 1e9;
-        std::printf("| %s | %lld | %.0f | %.0f | %.0f | %.0f%% | %.2fx | %.2fx |\n", s.name,
-                    static_cast<long long>(m), gk, go, gt, 100 * gk / peak1, gk / gt, gk / go);
+        const double gk = flop / Median(tk) / 1e9, gt = flop / Median(tt) / 1e9;
+        std::printf("| %s | %lld | %.0f | %.0f | %.0f%% | %.2fx |\n", s.name,
+                    static_cast<long long>(m), gk, gt, 100 * gk / peak1, gk / gt);
       }
     }
     at::set_num_threads(threads);

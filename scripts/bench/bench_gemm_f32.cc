@@ -41,6 +41,7 @@
 #include "common/cpu_features.h"
 #include "common/kernels/gemm_f32.h"
 #include "common/omp_wait_policy.h"
+#include "scripts/bench/bench_util.h"
 #include "scripts/bench/on_threads.h"
 #include "common/kernels/gemv.h"
 #include "scripts/bench/read_bandwidth.h"
@@ -48,35 +49,13 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using vlm::bench::ArgInt;
+using vlm::bench::ArgList;
+using vlm::bench::LoadAverage;
+using vlm::bench::Median;
+using vlm::bench::Seconds;
+using vlm::bench::ThreadCpuSeconds;
 using vlm::kernels::GemmF32Path;
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string LoadAverage() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
-double Seconds(const std::function<void()>& fn) {
-  const auto t0 = Clock::now();
-  fn();
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double ThreadCpuSeconds(const std::function<void()>& fn) {
-  timespec a, b;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
-  fn();
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b);
-  return (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
-}
 
 volatile float g_sink;  // keeps the peak loop's result (and so the loop) alive
 
@@ -97,7 +76,7 @@ __attribute__((target("avx512f"), noinline)) void FmaLoop(int64_t iters) {
 constexpr int64_t kPeakIters = 20'000'000;
 constexpr double kPeakFlops = static_cast<double>(kPeakIters) * 12 * 16 * 2;
 
-// The previous f32 RowLinear: at::linear with at least 8 rows and M·N·K >= 2^18
+// at::linear padded as RowLinear pads bf16 calls: at least 8 rows and M·N·K >= 2^18
 // (zero rows appended below x).
 int64_t MinRows(const at::Tensor& w) {
   return std::max<int64_t>(8, ((int64_t{1} << 18) + w.numel() - 1) / w.numel());
@@ -121,30 +100,6 @@ void RunKernel(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, GemmF32P
   o.path = path;
   o.threads = threads;
   if (!vlm::kernels::GemmF32(x, w, &y, o).ok()) std::abort();
-}
-
-int ArgInt(int argc, char** argv, const char* name, int fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) == 0) return std::atoi(argv[i + 1]);
-  }
-  return fallback;
-}
-
-std::vector<int64_t> ArgList(int argc, char** argv, const char* name,
-                             std::vector<int64_t> fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) != 0) continue;
-    std::vector<int64_t> v;
-    for (const char* s = argv[i + 1]; *s != '\0';) {
-      char* end = nullptr;
-      const long long x = std::strtoll(s, &end, 10);
-      if (end == s) break;
-      v.push_back(x);
-      s = *end == ',' ? end + 1 : end;
-    }
-    return v;
-  }
-  return fallback;
 }
 
 struct Shape {

@@ -3,10 +3,7 @@
 //
 // Decode (batches <= 8): one decode step's weight set (28 layers of q, k, v,
 // o, gate, up, down + the LM head) through GemvInt8 against the bf16
-// vlm::Gemv, next to the read-bandwidth bound measured in the same run, and
-// GemvInt8 with its previous decode prefetch (GemvInt8Options::prefetch_l1)
-// and, for batches of 5-8 rows, with its previous order of row tiles
-// (GemvInt8Options::row_pair_order).
+// vlm::Gemv, next to the read-bandwidth bound measured in the same run.
 // Weights are distinct buffers per layer (bf16 3.4 GB, int8 1.7 GB: far
 // beyond the L3), so each call streams its weights from DRAM. Each repetition
 // measures the bandwidth, then runs one step per implementation and batch
@@ -350,27 +347,17 @@ int main(int argc, char** argv) {
     for (const Shape& s : kLayerShapes) a.y.push_back(at::empty({b, s.out}, at::kBFloat16));
     a.logits = at::empty({b, kHead.out}, at::kFloat);
   }
-  // Per-call microseconds by (int8, batch, call name), for the per-call table
-  // (int8 with the default prefetch only).
+  // Per-call microseconds by (int8, batch, call name), for the per-call table.
   std::map<std::tuple<bool, int, std::string>, std::vector<double>> calls;
-  // before: int8 with the previous decode prefetch (into L1), or with the
-  // previous order of batches of 5-8 rows.
-  enum Before { kNow, kL1Prefetch, kRowPairOrder };
-  auto step = [&](bool int8, int batch, Before before = kNow) {
+  auto step = [&](bool int8, int batch) {
     Acts& a = acts[batch];
-    vlm::kernels::GemvInt8Options o8;
-    o8.prefetch_l1 = before == kL1Prefetch;
-    o8.row_pair_order = before == kRowPairOrder;
-    const bool record = before == kNow;  // the per-call table shows the current code only
     auto call = [&](const Shape& s, const at::Tensor& x, const at::Tensor& w16_,
                     const vlm::kernels::QuantizedWeight& w8_, at::Tensor* y) {
       const auto t = Clock::now();
-      if (int8) CheckOk(vlm::kernels::GemvInt8(x, w8_, y, o8), "int8 gemv");
+      if (int8) CheckOk(vlm::kernels::GemvInt8(x, w8_, y), "int8 gemv");
       else CheckOk(vlm::Gemv(x, w16_, y), "gemv");
-      if (record) {
-        calls[{int8, batch, s.name}].push_back(
-            std::chrono::duration<double, std::micro>(Clock::now() - t).count());
-      }
+      calls[{int8, batch, s.name}].push_back(
+          std::chrono::duration<double, std::micro>(Clock::now() - t).count());
     };
     const auto start = Clock::now();
     for (int l = 0; l < layers; ++l) {
@@ -381,16 +368,14 @@ int main(int argc, char** argv) {
     call(kHead, a.xh, head16[0], head8[0], &a.logits);
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
-  for (int b : batches) step(false, b), step(true, b), step(true, b, kL1Prefetch);  // warm-up
+  for (int b : batches) step(false, b), step(true, b);  // warm-up
   calls.clear();
-  std::map<int, std::vector<double>> t16, t8, t8_l1, t8_pairs;
+  std::map<int, std::vector<double>> t16, t8;
   for (int r = 0; r < reps; ++r) {
     bound.Measure(threads);
     for (int b : batches) {
       t16[b].push_back(step(false, b));
       t8[b].push_back(step(true, b));
-      t8_l1[b].push_back(step(true, b, kL1Prefetch));
-      if (b > 4) t8_pairs[b].push_back(step(true, b, kRowPairOrder));
     }
     std::fprintf(stderr, "rep %d/%d, load average %s\n", r + 1, reps,
                  vlm::bench::LoadAverage().c_str());
@@ -402,8 +387,6 @@ int main(int argc, char** argv) {
   for (int b : batches) {
     rows.push_back({"bf16 (vlm::Gemv)", threads, b, bytes16, t16[b]});
     rows.push_back({"int8 (GemvInt8)", threads, b, bytes8, t8[b]});
-    rows.push_back({"int8, L1 prefetch (before)", threads, b, bytes8, t8_l1[b]});
-    if (b > 4) rows.push_back({"int8, row-pair order (before)", threads, b, bytes8, t8_pairs[b]});
   }
   vlm::bench::PrintStepTable(rows, bound, "bf16 (vlm::Gemv)");
   std::printf("\nPer call: median us (bf16 / int8) over %d layers x %d reps; time / bound for int8\n",

@@ -84,6 +84,7 @@
 #include "common/kernels/gemv.h"
 #include "vlm/v1/language.grpc.pb.h"
 #include "scripts/bench/read_bandwidth.h"
+#include "scripts/bench/bench_util.h"
 
 ABSL_FLAG(std::string, model_dir, "",
           "checkpoint directory (default: $VLM_CACHE_DIR/checkpoints/2b, else "
@@ -118,11 +119,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using vlm::bench::Median;
 
 // VmRSS of `pid` in MiB.
 double RssMib(pid_t pid) {
@@ -347,14 +344,8 @@ uint64_t DecodeWeightBytes(const std::string& dir, bool int8 = false, bool int8_
 
 // Read bandwidth with `threads` threads over a fresh buffer: best of 3 passes.
 double ReadBandwidth(int threads) {
-  const size_t bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bandwidth_mib)) << 20;
-  std::vector<uint64_t> buffer(bytes / 8);
-  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i;
-  double best = 0;
-  for (int i = 0; i < 3; ++i) {
-    best = std::max(best, vlm::MeasureReadBandwidth(buffer.data(), bytes, threads));
-  }
-  return best;
+  return vlm::BestReadBandwidth(static_cast<size_t>(absl::GetFlag(FLAGS_bandwidth_mib)) << 20,
+                                threads);
 }
 
 struct Column {

@@ -103,16 +103,7 @@ uint64_t DecodeWeightBytes(const std::string& dir) {
   return bytes + (head > 0 ? head : embed);
 }
 
-double ReadBandwidth(int threads) {
-  const size_t bytes = size_t{1} << 30;
-  std::vector<uint64_t> buffer(bytes / 8);
-  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i;
-  double best = 0;
-  for (int i = 0; i < 3; ++i) {
-    best = std::max(best, vlm::MeasureReadBandwidth(buffer.data(), bytes, threads));
-  }
-  return best;
-}
+double ReadBandwidth(int threads) { return vlm::BestReadBandwidth(size_t{1} << 30, threads); }
 
 struct StreamResult {
   bool ok = false;

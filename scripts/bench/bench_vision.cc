@@ -51,6 +51,7 @@
 #include "services/vision/vision_model.h"
 #include "services/vision/vision_service.h"
 #include "vlm/v1/vision.grpc.pb.h"
+#include "scripts/bench/bench_util.h"
 
 ABSL_FLAG(int, bench_threads, 2, "intra-op threads for the matmul bound and the encodes");
 ABSL_FLAG(int, bench_runs, 5, "timed encodes per size (after one warm-up); the median is shown");
@@ -85,12 +86,7 @@ double Quantile(std::vector<double> v, double q) {
   return v[i];
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  if (v.empty()) return 0;
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using vlm::bench::Median;
 
 // A photo-like test card: gradients plus texture, so PNG does not collapse it.
 vlm::vision::RgbImage TestImage(int side, int seed) {

@@ -18,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "common/kernels/gemv.h"
+#include "scripts/bench/bench_util.h"
 #include "scripts/bench/read_bandwidth.h"
 
 namespace vlm::bench {
@@ -34,22 +35,8 @@ inline constexpr Shape kLayerShapes[] = {{"q", 2048, 2048},     {"k", 1024, 2048
 inline constexpr int kQ = 0, kK = 1, kV = 2, kO = 3, kGate = 4, kUp = 5, kDown = 6;
 inline constexpr Shape kHead = {"lm_head", 151936, 2048};
 
-inline double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 inline double Min(const std::vector<double>& v) {
   return v.empty() ? 0 : *std::min_element(v.begin(), v.end());
-}
-
-inline std::string LoadAverage() {
-  std::ifstream f("/proc/loadavg");
-  std::string a, b, c;
-  f >> a >> b >> c;
-  return a + " " + b + " " + c;
 }
 
 // bf16 values of magnitude 2^-7..2^-3 with random sign and mantissa (normal

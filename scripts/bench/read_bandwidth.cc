@@ -126,4 +126,14 @@ double MeasureReadBandwidth(const void* data, size_t bytes, int threads) {
   return static_cast<double>(bytes) / seconds;
 }
 
+double BestReadBandwidth(size_t bytes, int threads, int passes) {
+  std::vector<uint64_t> buffer(bytes / 8);
+  for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i;
+  double best = 0;
+  for (int i = 0; i < passes; ++i) {
+    best = std::max(best, MeasureReadBandwidth(buffer.data(), buffer.size() * 8, threads));
+  }
+  return best;
+}
+
 }  // namespace vlm

@@ -10,4 +10,8 @@ namespace vlm {
 // bytes per second of one full pass: the memory bound Gemv is measured against.
 double MeasureReadBandwidth(const void* data, size_t bytes, int threads);
 
+// The best of `passes` MeasureReadBandwidth passes over a fresh buffer of
+// `bytes` (allocated, filled and freed here).
+double BestReadBandwidth(size_t bytes, int threads, int passes = 3);
+
 }  // namespace vlm

@@ -20,7 +20,7 @@ using grpc::health::v1::HealthCheckResponse;
 prometheus::Family<prometheus::Gauge>& BackendServingFamily() {
   static auto& family = prometheus::BuildGauge()
                             .Name("vlm_gateway_backend_serving")
-                            .Help("1 while a backend reports SERVING to the gateway's health watch.")
+                            .Help("1 while a backend replica is SERVING and routed to (language: also its model matches).")
                             .Register(MetricsRegistry());
   return family;
 }
@@ -28,7 +28,7 @@ prometheus::Family<prometheus::Gauge>& BackendServingFamily() {
 prometheus::Gauge& ReadyGauge() {
   static auto& gauge = prometheus::BuildGauge()
                            .Name("vlm_gateway_ready")
-                           .Help("1 while the gateway is SERVING (language and >= 1 vision replica).")
+                           .Help("1 while the gateway is SERVING (>= 1 language and >= 1 vision replica).")
                            .Register(MetricsRegistry())
                            .Add({});
   return gauge;
@@ -133,23 +133,45 @@ void HealthWatch::Run() {
   }
 }
 
-absl::Status EvaluateReadiness(const BackendState& language, absl::Span<const BackendState> vision) {
-  if (language.status != BackendStatus::kServing) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "language service ", language.name, " is ", BackendStatusName(language.status),
-        language.detail.empty() ? "" : absl::StrCat(" (", language.detail, ")")));
+namespace {
+
+std::string Describe(const BackendState& s) {
+  return absl::StrCat(s.name, " ", BackendStatusName(s.status),
+                      s.detail.empty() ? "" : absl::StrCat(" (", s.detail, ")"));
+}
+
+bool AnyServing(absl::Span<const BackendState> states) {
+  for (const BackendState& s : states) {
+    if (s.status == BackendStatus::kServing) return true;
+  }
+  return false;
+}
+
+std::string DescribeAll(absl::Span<const BackendState> states) {
+  std::vector<std::string> parts;
+  for (const BackendState& s : states) parts.push_back(Describe(s));
+  return absl::StrJoin(parts, "; ");
+}
+
+}  // namespace
+
+absl::Status EvaluateReadiness(absl::Span<const BackendState> language,
+                               absl::Span<const BackendState> vision) {
+  if (language.empty()) return absl::FailedPreconditionError("no language replica is known");
+  if (!AnyServing(language)) {
+    if (language.size() == 1) {
+      const BackendState& only = language[0];
+      return absl::FailedPreconditionError(absl::StrCat(
+          "language service ", only.name, " is ", BackendStatusName(only.status),
+          only.detail.empty() ? "" : absl::StrCat(" (", only.detail, ")")));
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("no language replica is SERVING: ", DescribeAll(language)));
   }
   if (vision.empty()) return absl::FailedPreconditionError("no vision replica is known");
-  for (const BackendState& replica : vision) {
-    if (replica.status == BackendStatus::kServing) return absl::OkStatus();
-  }
-  std::vector<std::string> states;
-  for (const BackendState& replica : vision) {
-    states.push_back(absl::StrCat(replica.name, " ", BackendStatusName(replica.status),
-                                  replica.detail.empty() ? "" : absl::StrCat(" (", replica.detail, ")")));
-  }
+  if (AnyServing(vision)) return absl::OkStatus();
   return absl::FailedPreconditionError(
-      absl::StrCat("no vision replica is SERVING: ", absl::StrJoin(states, "; ")));
+      absl::StrCat("no vision replica is SERVING: ", DescribeAll(vision)));
 }
 
 BackendHealth::BackendHealth(Readiness* readiness, std::string service)
@@ -157,59 +179,54 @@ BackendHealth::BackendHealth(Readiness* readiness, std::string service)
 
 BackendHealth::~BackendHealth() { Stop(); }
 
-void BackendHealth::Start(std::string language_target, std::shared_ptr<grpc::Channel> channel,
-                          VisionStates vision, HealthWatchOptions options) {
-  auto watch = std::make_shared<HealthWatch>(std::move(language_target), std::move(channel),
-                                             "vlm.v1.Language", options, [this] { Update(); });
+void BackendHealth::Start(States language, States vision) {
   {
     absl::MutexLock lock(&mu_);
+    language_ = std::move(language);
     vision_ = std::move(vision);
-    language_ = std::move(watch);
     started_ = true;
   }
   Update();
 }
 
 void BackendHealth::Stop() {
-  std::shared_ptr<HealthWatch> watch;
-  {
-    absl::MutexLock lock(&mu_);
-    started_ = false;
-    watch = std::move(language_);
-    vision_ = nullptr;
-  }
-  watch.reset();  // joins its thread, which may be waiting in Update()
+  absl::MutexLock lock(&mu_);
+  started_ = false;
+  language_ = nullptr;
+  vision_ = nullptr;
 }
 
 void BackendHealth::Update() {
   absl::MutexLock update(&update_mu_);
-  BackendState language_state;
+  std::vector<BackendState> language_states;
   std::vector<BackendState> vision_states;
   {
-    // Snapshot under mu_ and keep no reference: Stop() must stay the one to
-    // destroy the language watch (never its own thread, via a last reference).
     absl::MutexLock lock(&mu_);
     if (!started_) return;
-    language_state = language_->state();
+    language_states = language_();
     vision_states = vision_();
   }
 
   auto& family = BackendServingFamily();
-  family.Add({{"backend", "language"}, {"target", language_state.name}})
-      .Set(language_state.status == BackendStatus::kServing ? 1 : 0);
-  std::set<std::string> exported;
-  for (const BackendState& replica : vision_states) {
-    family.Add({{"backend", "vision"}, {"target", replica.name}})
-        .Set(replica.status == BackendStatus::kServing ? 1 : 0);
-    exported.insert(replica.name);
+  for (const auto& [backend, states] :
+       {std::pair<const char*, const std::vector<BackendState>*>{"language", &language_states},
+        {"vision", &vision_states}}) {
+    std::set<std::string> exported;
+    for (const BackendState& replica : *states) {
+      family.Add({{"backend", backend}, {"target", replica.name}})
+          .Set(replica.status == BackendStatus::kServing ? 1 : 0);
+      exported.insert(replica.name);
+    }
+    for (const std::string& gone : exported_[backend]) {
+      // A replica DNS no longer lists: drop its series rather than freeze it.
+      if (exported.count(gone) == 0) {
+        family.Remove(&family.Add({{"backend", backend}, {"target", gone}}));
+      }
+    }
+    exported_[backend] = std::move(exported);
   }
-  for (const std::string& gone : exported_vision_) {
-    // A replica DNS no longer lists: drop its series rather than freeze it.
-    if (exported.count(gone) == 0) family.Remove(&family.Add({{"backend", "vision"}, {"target", gone}}));
-  }
-  exported_vision_ = std::move(exported);
 
-  const absl::Status ready = EvaluateReadiness(language_state, vision_states);
+  const absl::Status ready = EvaluateReadiness(language_states, vision_states);
   const std::string reason = ready.ok() ? "" : std::string(ready.message());
   if (reason == published_) return;
   published_ = reason;

@@ -2,9 +2,9 @@
 //
 // A HealthWatch follows one backend's grpc.health.v1 Watch stream for one
 // service name on its own thread, reconnecting with backoff when the stream
-// breaks. BackendHealth turns the language watch and the vision replicas'
-// watches into the gateway's readiness: SERVING only while the language
-// service is SERVING and at least one vision replica is. None of this runs on
+// breaks. BackendHealth turns the language and vision replicas' states (the
+// routers own their watches) into the gateway's readiness: SERVING only while
+// at least one language replica and at least one vision replica are. None of this runs on
 // the request path: the gateway's own health is answered by gRPC's health
 // service from the last published state.
 #ifndef VLM_SERVICES_GATEWAY_BACKEND_HEALTH_H_
@@ -14,6 +14,7 @@
 #include <grpcpp/client_context.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -80,27 +81,28 @@ class HealthWatch {
   std::thread thread_;
 };
 
-// The gateway's readiness rule: OK when `language` is SERVING and at least one
-// of `vision` is; otherwise FailedPrecondition with the reason, e.g.
-// "language service 127.0.0.1:50053 is NOT_SERVING".
-absl::Status EvaluateReadiness(const BackendState& language, absl::Span<const BackendState> vision);
+// The gateway's readiness rule: OK when at least one of `language` and one of
+// `vision` is SERVING; otherwise FailedPrecondition with the reason, e.g.
+// "language service 127.0.0.1:50053 is NOT_SERVING" (one replica) or
+// "no language replica is SERVING: a:1 unreachable (...); b:1 NOT_SERVING".
+absl::Status EvaluateReadiness(absl::Span<const BackendState> language,
+                               absl::Span<const BackendState> vision);
 
 // Publishes EvaluateReadiness into `readiness` for `service` whenever Update()
 // runs (the watches call it), and exports vlm_gateway_backend_serving.
 class BackendHealth {
  public:
-  using VisionStates = std::function<std::vector<BackendState>()>;
+  using States = std::function<std::vector<BackendState>()>;
 
   BackendHealth(Readiness* readiness, std::string service);
   ~BackendHealth();  // Stop()
   BackendHealth(const BackendHealth&) = delete;
   BackendHealth& operator=(const BackendHealth&) = delete;
 
-  // Starts watching the language service's vlm.v1.Language status on
-  // `channel`; vision states come from `vision` (the router's replicas).
-  void Start(std::string language_target, std::shared_ptr<grpc::Channel> channel,
-             VisionStates vision, HealthWatchOptions options);
-  // Stops the language watch; later Update() calls do nothing. Idempotent.
+  // Starts publishing: the replicas' states come from `language` and
+  // `vision` (the routers' Replicas()).
+  void Start(States language, States vision);
+  // Later Update() calls do nothing. Idempotent.
   void Stop();
 
   // Re-evaluates and publishes. Thread-safe; a no-op before Start().
@@ -113,10 +115,11 @@ class BackendHealth {
   // Lock order: update_mu_, mu_, then a watch's or the router's own lock.
   mutable absl::Mutex mu_ ABSL_ACQUIRED_AFTER(update_mu_);
   bool started_ ABSL_GUARDED_BY(mu_) = false;
-  VisionStates vision_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<HealthWatch> language_ ABSL_GUARDED_BY(mu_);
+  States language_ ABSL_GUARDED_BY(mu_);
+  States vision_ ABSL_GUARDED_BY(mu_);
   std::string published_ ABSL_GUARDED_BY(update_mu_) = "\x01";  // last published reason
-  std::set<std::string> exported_vision_ ABSL_GUARDED_BY(update_mu_);  // gauge label values
+  // Gauge label values exported, per backend kind ("language", "vision").
+  std::map<std::string, std::set<std::string>> exported_ ABSL_GUARDED_BY(update_mu_);
 };
 
 }  // namespace vlm::gateway

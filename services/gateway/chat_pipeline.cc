@@ -120,6 +120,7 @@ bool CollectingSink::OnFinal(v1::ChatChunk& chunk) {
   response_->mutable_timings()->Swap(chunk.mutable_timings());
   response_->mutable_images()->Swap(chunk.mutable_images());
   response_->set_request_id(chunk.request_id());
+  response_->mutable_language()->Swap(chunk.mutable_language());
   return true;
 }
 
@@ -170,6 +171,7 @@ struct ChatPipeline::Record {
   int prompt_tokens = 0;
   int completion_tokens = 0;
   double first_token_ms = 0;
+  v1::LanguageRoute language;
 };
 
 Admission::Observer ChatPipeline::AdmissionGauges() {
@@ -182,12 +184,12 @@ Admission::Observer ChatPipeline::AdmissionGauges() {
 
 ChatPipeline::ChatPipeline(GatewayOptions options, const Readiness* readiness,
                            Admission* admission, const VisionRouter* router,
-                           std::unique_ptr<v1::Language::StubInterface> language)
+                           const LanguageRouter* language)
     : options_(std::move(options)),
       readiness_(readiness),
       admission_(admission),
       router_(router),
-      language_(std::move(language)) {
+      language_(language) {
   Metrics();
 }
 
@@ -209,6 +211,8 @@ grpc::Status ChatPipeline::Run(const ChatCall& call, const v1::ChatRequest& requ
        {"cache_hits", record.cache_hits},
        {"prompt_tokens", record.prompt_tokens},
        {"completion_tokens", record.completion_tokens},
+       {"language_replica", record.language.replica()},
+       {"language_route", record.language.route()},
        {"first_token_ms", record.first_token_ms},
        {"total_ms", Ms(absl::Now() - start)}});
   return status;
@@ -365,68 +369,103 @@ v1::GenerateRequest ChatPipeline::BuildGenerateRequest(const v1::ChatRequest& re
   return generate;
 }
 
-// Streams the generation's deltas to the sink; `last` gets the final
-// response (finish reason, usage, timings). A client gone is CANCELLED.
+// Streams the generation of the replica the conversation is routed to; `last`
+// gets the final response (finish reason, usage, timings) and `route` where it
+// ran. A replica that fails UNAVAILABLE before its first response is replaced
+// by the next one of the plan (which prefills from scratch); once a response
+// has been streamed a failure is the request's. A client gone is CANCELLED.
 grpc::Status ChatPipeline::Relay(const ChatCall& call, absl::Time deadline, absl::Time start,
                                  v1::GenerateRequest generate, const std::string& request_id,
-                                 ChatSink* sink, v1::GenerateResponse* last,
-                                 double* first_token_ms) const {
+                                 const std::string& route_key, ChatSink* sink,
+                                 v1::GenerateResponse* last, double* first_token_ms,
+                                 v1::LanguageRoute* route) const {
   Cancellation* const cancellation = call.cancellation;
-  std::unique_ptr<grpc::ClientContext> backend =
-      BackendContext(call.grpc_context, deadline, request_id);
-  // A front end's cancellation (e.g. an HTTP client gone) reaches the language
-  // service at once, not only at the next delta.
-  if (cancellation != nullptr) {
-    grpc::ClientContext* raw = backend.get();
-    cancellation->Register([raw] { raw->TryCancel(); });
+  const LanguageRouter::Plan plan = language_->Route(route_key);
+  if (plan.order.empty()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, language_->UnavailableReason());
   }
-  struct Unregister {
-    Cancellation* c;
-    ~Unregister() {
-      if (c != nullptr) c->Unregister();
+  grpc::Status failed;
+  for (size_t attempt = 0; attempt < plan.order.size(); ++attempt) {
+    LanguageReplica::Call replica_call(plan.order[attempt]);
+    const LanguageReplica& replica = replica_call.replica();
+    route->set_replica(replica.name());
+    route->set_route(attempt == 0 ? plan.route : "failover");
+    route->set_attempts(static_cast<int32_t>(attempt + 1));
+    CountLanguageRequest(replica.name(), route->route());
+    std::unique_ptr<grpc::ClientContext> backend =
+        BackendContext(call.grpc_context, deadline, request_id);
+    // A front end's cancellation (e.g. an HTTP client gone) reaches the language
+    // service at once, not only at the next delta. Unregistered before
+    // `backend` goes (declared after it).
+    struct Registration {
+      Cancellation* c;
+      ~Registration() {
+        if (c != nullptr) c->Unregister();
+      }
+    } registration{cancellation};
+    if (cancellation != nullptr) {
+      grpc::ClientContext* raw = backend.get();
+      cancellation->Register([raw] { raw->TryCancel(); });
     }
-  } unregister{cancellation};
-  std::unique_ptr<grpc::ClientReaderInterface<v1::GenerateResponse>> reader =
-      language_->Generate(backend.get(), generate);
-  generate.Clear();  // the features can be large; the call has serialized them
-
-  v1::GenerateResponse delta;
-  bool finished = false;
-  bool client_gone = false;
-  int chunks = 0;
-  while (reader->Read(&delta)) {
-    if (*first_token_ms < 0 && (!delta.text().empty() || delta.token_ids_size() > 0)) {
-      *first_token_ms = Ms(absl::Now() - start);
-    }
-    if (delta.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-      // Held back until the stream's status says the generation really ended well.
-      *last = std::move(delta);
-      finished = true;
+    std::unique_ptr<grpc::ClientReaderInterface<v1::GenerateResponse>> reader =
+        replica.stub().Generate(backend.get(), generate);
+    v1::GenerateResponse delta;
+    if (!reader->Read(&delta)) {
+      failed = reader->Finish();
+      const bool client_left = (cancellation != nullptr && cancellation->cancelled()) ||
+                               (call.grpc_context != nullptr && call.grpc_context->IsCancelled());
+      if (failed.error_code() != grpc::StatusCode::UNAVAILABLE || client_left ||
+          absl::Now() >= deadline || attempt + 1 == plan.order.size()) {
+        return MapLanguageError(failed, 0, replica.name());
+      }
+      LogWarning("gateway", "language replica unavailable before the first token; failing over",
+                 {{"request_id", request_id},
+                  {"replica", replica.name()},
+                  {"next", plan.order[attempt + 1]->name()},
+                  {"error", failed.error_message()}});
       continue;
     }
-    ++chunks;
-    v1::ChatChunk chunk;
-    chunk.set_text(delta.text());
-    chunk.mutable_logprobs()->Swap(delta.mutable_logprobs());
-    chunk.set_request_id(request_id);
-    if (!sink->OnDelta(chunk) || (cancellation != nullptr && cancellation->cancelled())) {
-      client_gone = true;
-      backend->TryCancel();
-      break;
+    generate.Clear();  // the features can be large; no other replica will need them now
+    language_->Served(plan.key, replica.name());
+
+    bool finished = false;
+    bool client_gone = false;
+    int chunks = 0;
+    do {
+      if (*first_token_ms < 0 && (!delta.text().empty() || delta.token_ids_size() > 0)) {
+        *first_token_ms = Ms(absl::Now() - start);
+      }
+      if (delta.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+        // Held back until the stream's status says the generation really ended well.
+        *last = std::move(delta);
+        finished = true;
+        continue;
+      }
+      ++chunks;
+      v1::ChatChunk chunk;
+      chunk.set_text(delta.text());
+      chunk.mutable_logprobs()->Swap(delta.mutable_logprobs());
+      chunk.set_request_id(request_id);
+      if (!sink->OnDelta(chunk) || (cancellation != nullptr && cancellation->cancelled())) {
+        client_gone = true;
+        backend->TryCancel();
+        break;
+      }
+    } while (reader->Read(&delta));
+    const grpc::Status status = reader->Finish();
+    if (client_gone) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
     }
+    // The caller's cancellation or deadline shows up here as the backend's
+    // CANCELLED or DEADLINE_EXCEEDED.
+    if (!status.ok()) return MapLanguageError(status, chunks, replica.name());
+    if (!finished) {
+      return grpc::Status(grpc::StatusCode::INTERNAL,
+                          "language service ended the stream without a finish reason");
+    }
+    return grpc::Status::OK;
   }
-  const grpc::Status status = reader->Finish();
-  if (client_gone) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
-  }
-  // The caller's cancellation or deadline shows up here as the backend's
-  // CANCELLED or DEADLINE_EXCEEDED.
-  if (!status.ok()) return MapLanguageError(status, chunks, options_.language_target);
-  if (!finished) {
-    return grpc::Status(grpc::StatusCode::INTERNAL,
-                        "language service ended the stream without a finish reason");
-  }
-  return grpc::Status::OK;
+  return MapLanguageError(failed, 0, route->replica());
 }
 
 // The final chunk: text left, usage, timings, per-image results; metrics and
@@ -434,8 +473,8 @@ grpc::Status ChatPipeline::Relay(const ChatCall& call, absl::Time deadline, absl
 grpc::Status ChatPipeline::Finish(v1::GenerateResponse& last, absl::Time start,
                                   absl::Time admitted, double vision_ms, double first_token_ms,
                                   std::vector<v1::ImageResult>& images,
-                                  const std::string& request_id, ChatSink* sink,
-                                  Record* record) const {
+                                  const v1::LanguageRoute& route, const std::string& request_id,
+                                  ChatSink* sink, Record* record) const {
   GatewayMetrics& metrics = Metrics();
   const v1::LanguageTimings& lt = last.timings();
   v1::ChatTimings timings;
@@ -463,6 +502,7 @@ grpc::Status ChatPipeline::Finish(v1::GenerateResponse& last, absl::Time start,
   *chunk.mutable_timings() = timings;
   for (v1::ImageResult& image : images) *chunk.add_images() = std::move(image);
   chunk.set_request_id(request_id);
+  *chunk.mutable_language() = route;
   if (!sink->OnFinal(chunk)) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
   }
@@ -494,14 +534,19 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   if (call.cancellation != nullptr && call.cancellation->cancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
   }
+  std::vector<std::string> image_keys;
+  for (const ImageJob& job : jobs) image_keys.push_back(job.key);
+  const std::string route_key = ConversationRouteKey(request, image_keys);
   v1::GenerateResponse last;
   double first_token_ms = -1;
   if (grpc::Status s = Relay(call, deadline, start, BuildGenerateRequest(request, jobs, request_id),
-                             request_id, sink, &last, &first_token_ms);
+                             request_id, route_key, sink, &last, &first_token_ms,
+                             &record->language);
       !s.ok()) {
     return s;
   }
-  return Finish(last, start, admitted, vision_ms, first_token_ms, images, request_id, sink, record);
+  return Finish(last, start, admitted, vision_ms, first_token_ms, images, record->language,
+                request_id, sink, record);
 }
 
 }  // namespace vlm::gateway

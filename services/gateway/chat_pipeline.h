@@ -2,7 +2,9 @@
 // vlm.v1.VisionLanguage and the OpenAI-compatible HTTP API):
 //
 //   readiness -> validate -> admit -> encode images in parallel (each on its
-//   rendezvous replica) -> stream the language service's generation
+//   rendezvous replica) -> stream the generation of the language replica the
+//   conversation is routed to (language_router.h), failing over to the next
+//   one while no token has come yet
 //
 // Output goes to a ChatSink in order (text deltas, then one final chunk); a
 // sink that reports its client gone, or a Cancellation, cancels the backend
@@ -14,9 +16,8 @@
 // grpc::Status (the same codes for both front ends; HTTP maps them with
 // HttpStatusForCode, http_status.h).
 //
-// Thread-safety: Run may be called from many threads at once; the router,
-// admission and the language stub are shared and thread-safe. Nothing here is
-// owned except the language stub.
+// Thread-safety: Run may be called from many threads at once; the routers
+// and admission are shared and thread-safe. Nothing here is owned.
 #ifndef VLM_SERVICES_GATEWAY_CHAT_PIPELINE_H_
 #define VLM_SERVICES_GATEWAY_CHAT_PIPELINE_H_
 
@@ -32,6 +33,7 @@
 #include "absl/time/time.h"
 #include "common/readiness.h"
 #include "services/gateway/admission.h"
+#include "services/gateway/language_router.h"
 #include "services/gateway/router.h"
 #include "services/gateway/validation.h"
 #include "vlm/v1/gateway.pb.h"
@@ -49,9 +51,6 @@ struct GatewayOptions {
   // params.max_tokens when the client leaves it unset (0: leave it to the
   // language service, which then generates up to the context length).
   int default_max_tokens = 0;
-  // The language service's address ("host:port"), named in the errors that
-  // say it is unavailable (empty: not named).
-  std::string language_target;
 };
 
 // Where a request's output goes. Called on the thread that runs the pipeline,
@@ -133,7 +132,7 @@ class ChatPipeline {
   static constexpr char kServiceName[] = "vlm.v1.VisionLanguage";
 
   ChatPipeline(GatewayOptions options, const Readiness* readiness, Admission* admission,
-               const VisionRouter* router, std::unique_ptr<v1::Language::StubInterface> language);
+               const VisionRouter* router, const LanguageRouter* language);
 
   // Runs one request to the end (or its first error) and logs one access line.
   // request.request_id is used when set, else a new id is made.
@@ -162,17 +161,19 @@ class ChatPipeline {
                                            std::vector<ImageJob>& jobs,
                                            const std::string& request_id) const;
   grpc::Status Relay(const ChatCall& call, absl::Time deadline, absl::Time start,
-                     v1::GenerateRequest generate, const std::string& request_id, ChatSink* sink,
-                     v1::GenerateResponse* last, double* first_token_ms) const;
+                     v1::GenerateRequest generate, const std::string& request_id,
+                     const std::string& route_key, ChatSink* sink, v1::GenerateResponse* last,
+                     double* first_token_ms, v1::LanguageRoute* route) const;
   grpc::Status Finish(v1::GenerateResponse& last, absl::Time start, absl::Time admitted,
                       double vision_ms, double first_token_ms, std::vector<v1::ImageResult>& images,
-                      const std::string& request_id, ChatSink* sink, Record* record) const;
+                      const v1::LanguageRoute& route, const std::string& request_id,
+                      ChatSink* sink, Record* record) const;
 
   const GatewayOptions options_;
   const Readiness* const readiness_;
   Admission* const admission_;
   const VisionRouter* const router_;
-  const std::unique_ptr<v1::Language::StubInterface> language_;
+  const LanguageRouter* const language_;
 };
 
 }  // namespace vlm::gateway

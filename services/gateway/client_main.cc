@@ -60,7 +60,8 @@ chat options:
   --min-pixels N  --max-pixels N   image resize bounds
   --deadline SECONDS       give up after this long (default 300)
   --request-id ID          echoed back in the response
-  --json                   print the full response (unary Chat) as JSON
+  --json                   print the full response (unary Chat) as JSON, with the language
+                           replica and route under "language"
   --stats                  after the streamed answer, print usage, timings and images to stderr
 PROMPT "-" reads the prompt from stdin. Option values may also be given as --opt=value.
 )";
@@ -259,6 +260,11 @@ void PrintStats(const vlm::v1::ChatChunk& last) {
                FinishName(last.finish_reason()), u.prompt_tokens(), u.image_tokens(),
                u.cached_prompt_tokens(), u.completion_tokens(), t.queue_ms(), t.vision_ms(), t.projector_ms(),
                t.prefill_ms(), t.first_token_ms(), t.decode_ms(), t.total_ms());
+  if (last.has_language()) {
+    std::fprintf(stderr, "[language replica %s, route %s, %d attempt(s)]\n",
+                 last.language().replica().c_str(), last.language().route().c_str(),
+                 last.language().attempts());
+  }
   for (int i = 0; i < last.images_size(); ++i) {
     const auto& im = last.images(i);
     std::fprintf(stderr,

@@ -26,9 +26,9 @@ GatewayService::GatewayService(const ChatPipeline* pipeline, const ApiKeys* api_
 
 GatewayService::GatewayService(GatewayOptions options, const Readiness* readiness,
                                Admission* admission, const VisionRouter* router,
-                               std::unique_ptr<v1::Language::StubInterface> language)
+                               const LanguageRouter* language)
     : owned_pipeline_(std::make_unique<ChatPipeline>(std::move(options), readiness, admission,
-                                                     router, std::move(language))),
+                                                     router, language)),
       pipeline_(owned_pipeline_.get()),
       api_keys_(nullptr) {}
 

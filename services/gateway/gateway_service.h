@@ -46,7 +46,7 @@ class GatewayService final : public v1::VisionLanguage::Service {
   explicit GatewayService(const ChatPipeline* pipeline, const ApiKeys* api_keys = nullptr);
   // Owns a pipeline of its own (a gRPC-only gateway).
   GatewayService(GatewayOptions options, const Readiness* readiness, Admission* admission,
-                 const VisionRouter* router, std::unique_ptr<v1::Language::StubInterface> language);
+                 const VisionRouter* router, const LanguageRouter* language);
 
   grpc::Status Chat(grpc::ServerContext* context, const v1::ChatRequest* request,
                     v1::ChatResponse* response) override;

@@ -3,7 +3,9 @@
 // OpenAI-compatible /v1/chat/completions and a web page (--http_address).
 //
 //   vlm-gateway --language_target=127.0.0.1:50053 --vision_targets=127.0.0.1:50052
+//   vlm-gateway --language_targets=10.0.0.7:50051,10.0.0.8:50051 ...   # language replicas
 //   vlm-gateway --vision_dns=vlm-vision-headless:50052   # Kubernetes headless Service
+//   vlm-gateway --language_dns=vlm-language-headless:50051
 //
 // Every flag can also be set as VLM_<FLAG> in the environment.
 #include <grpcpp/grpcpp.h>
@@ -30,10 +32,30 @@
 #include "services/gateway/backend_health.h"
 #include "services/gateway/gateway_service.h"
 #include "services/gateway/http_server.h"
+#include "services/gateway/language_router.h"
 #include "services/gateway/router.h"
 #include "vlm/v1/language.grpc.pb.h"
 
-ABSL_FLAG(std::string, language_target, "127.0.0.1:50053", "language service host:port");
+ABSL_FLAG(std::string, language_target, "127.0.0.1:50053",
+          "the language service host:port (one replica; see --language_targets)");
+ABSL_FLAG(std::string, language_targets, "",
+          "language replicas, comma-separated host:port; replaces --language_target when set");
+ABSL_FLAG(std::string, language_dns, "",
+          "host:port whose DNS name lists the language replicas (e.g. a Kubernetes headless "
+          "Service); re-resolved every --language_dns_refresh_s; replaces --language_targets");
+ABSL_FLAG(double, language_dns_refresh_s, 5, "seconds between re-resolutions of --language_dns");
+ABSL_FLAG(std::string, language_routing, "affinity",
+          "affinity (each conversation to its prefix's replica, bounded load) or round_robin");
+ABSL_FLAG(int, language_load_slack, 2,
+          "a conversation leaves its home replica when the home carries more than this many "
+          "sequences (running + waiting) beyond the least-loaded replica ...");
+ABSL_FLAG(double, language_load_factor, 1.5,
+          "... and more than this multiple of the least-loaded replica's sequences");
+ABSL_FLAG(int, language_max_attempts, 3,
+          "Generate calls per request: UNAVAILABLE before the first token moves it to the next "
+          "replica in hash order");
+ABSL_FLAG(int, language_info_refresh_ms, 500,
+          "interval of the ReplicaInfo polls (model fingerprint, running and waiting sequences)");
 ABSL_FLAG(std::string, vision_targets, "127.0.0.1:50052",
           "vision replicas, comma-separated host:port (ignored when --vision_dns is set)");
 ABSL_FLAG(std::string, vision_dns, "",
@@ -162,6 +184,38 @@ absl::StatusOr<VisionRouterOptions> RouterOptionsFromFlags(const ChannelOptions&
   return router_options;
 }
 
+absl::StatusOr<LanguageRouterOptions> LanguageRouterOptionsFromFlags(
+    const ChannelOptions& channel, const HealthWatchOptions& health) {
+  LanguageRouterOptions options;
+  options.dns_target = absl::GetFlag(FLAGS_language_dns);
+  if (options.dns_target.empty()) {
+    const std::string list = absl::GetFlag(FLAGS_language_targets).empty()
+                                 ? absl::GetFlag(FLAGS_language_target)
+                                 : absl::GetFlag(FLAGS_language_targets);
+    absl::StatusOr<std::vector<std::string>> targets = ParseTargetList(list);
+    if (!targets.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad --language_targets: ", targets.status().ToString()));
+    }
+    options.static_targets = *targets;
+  }
+  absl::StatusOr<LanguageRouting> routing =
+      ParseLanguageRouting(absl::GetFlag(FLAGS_language_routing));
+  if (!routing.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad --language_routing: ", routing.status().message()));
+  }
+  options.routing = *routing;
+  options.dns_refresh = absl::Seconds(absl::GetFlag(FLAGS_language_dns_refresh_s));
+  options.bound.slack = absl::GetFlag(FLAGS_language_load_slack);
+  options.bound.factor = absl::GetFlag(FLAGS_language_load_factor);
+  options.max_attempts = absl::GetFlag(FLAGS_language_max_attempts);
+  options.info_refresh = absl::Milliseconds(absl::GetFlag(FLAGS_language_info_refresh_ms));
+  options.channel = channel;
+  options.health = health;
+  return options;
+}
+
 absl::StatusOr<GatewayOptions> GatewayOptionsFromFlags() {
   GatewayOptions options;
   options.limits.max_messages = absl::GetFlag(FLAGS_max_messages);
@@ -181,7 +235,6 @@ absl::StatusOr<GatewayOptions> GatewayOptionsFromFlags() {
     return absl::InvalidArgumentError(
         "need spatial_merge_size >= 1 and 0 <= default_max_tokens <= max_tokens_limit");
   }
-  options.language_target = absl::GetFlag(FLAGS_language_target);
   return options;
 }
 
@@ -261,6 +314,9 @@ int main(int argc, char** argv) {
   absl::StatusOr<VisionRouterOptions> router_options =
       RouterOptionsFromFlags(*channel, health_options);
   if (!router_options.ok()) return bad_flags(router_options.status());
+  absl::StatusOr<LanguageRouterOptions> language_options =
+      LanguageRouterOptionsFromFlags(*channel, health_options);
+  if (!language_options.ok()) return bad_flags(language_options.status());
   absl::StatusOr<GatewayOptions> options = GatewayOptionsFromFlags();
   if (!options.ok()) return bad_flags(options.status());
   absl::StatusOr<std::unique_ptr<ApiKeys>> api_keys = ApiKeysFromFlags();
@@ -276,13 +332,18 @@ int main(int argc, char** argv) {
                   {{"error", router.status().ToString()}});
     return 2;
   }
-  std::shared_ptr<grpc::Channel> language_channel =
-      CreateBackendChannel(options->language_target, *channel);
+  absl::StatusOr<std::unique_ptr<LanguageRouter>> language =
+      LanguageRouter::Create(*language_options, [&health] { health.Update(); });
+  if (!language.ok()) {
+    vlm::LogError(kComponent, "cannot set up the language replicas",
+                  {{"error", language.status().ToString()}});
+    return 2;
+  }
   Admission admission(absl::GetFlag(FLAGS_max_inflight), absl::GetFlag(FLAGS_max_queue),
                       GatewayService::AdmissionGauges());
   // One pipeline, two front ends (gRPC and HTTP); optional API keys for both.
   ChatPipeline pipeline(*options, &server.readiness(), &admission, router->get(),
-                        vlm::v1::Language::NewStub(language_channel));
+                        language->get());
   GatewayService service(&pipeline, api_keys->get());
   server.AddService(&service, name, "waiting for the backends' health");
   if (absl::Status s = server.Start(); !s.ok()) {
@@ -298,10 +359,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   VisionRouter* router_ptr = router->get();
-  health.Start(options->language_target, language_channel,
-               [router_ptr] { return router_ptr->Replicas(); }, health_options);
+  LanguageRouter* language_ptr = language->get();
+  health.Start([language_ptr] { return language_ptr->Replicas(); },
+               [router_ptr] { return router_ptr->Replicas(); });
   absl::Status done = ServeUntilDrained(server, http->get());
   health.Stop();
+  language->reset();
   router->reset();
   return done.ok() ? 0 : 1;
 }

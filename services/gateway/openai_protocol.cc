@@ -750,7 +750,8 @@ const char* CacheName(v1::CacheLevel level) {
 
 // The gateway's own extras (x_vlm): what the page shows under an answer.
 json Extras(const std::string& request_id, const v1::Usage& usage, const v1::ChatTimings& t,
-            const google::protobuf::RepeatedPtrField<v1::ImageResult>& images) {
+            const google::protobuf::RepeatedPtrField<v1::ImageResult>& images,
+            const v1::LanguageRoute& language) {
   json list = json::array();
   for (const v1::ImageResult& image : images) {
     list.push_back({{"content_hash", image.content_hash()},
@@ -774,7 +775,11 @@ json Extras(const std::string& request_id, const v1::Usage& usage, const v1::Cha
                 {"first_token", t.first_token_ms()},
                 {"decode", t.decode_ms()},
                 {"total", t.total_ms()}}},
-              {"images", std::move(list)}};
+              {"images", std::move(list)},
+              {"language",
+               {{"replica", language.replica()},
+                {"route", language.route()},
+                {"attempts", language.attempts()}}}};
 }
 
 }  // namespace
@@ -964,7 +969,8 @@ std::vector<std::string> ChunkFormatter::FinalChunks(const v1::ChatChunk& last) 
                                {"delta", json::object()},
                                {"logprobs", nullptr},
                                {"finish_reason", finish}});
-  finish_chunk["x_vlm"] = Extras(last.request_id(), last.usage(), last.timings(), last.images());
+  finish_chunk["x_vlm"] =
+      Extras(last.request_id(), last.usage(), last.timings(), last.images(), last.language());
   out.push_back(DumpJson(finish_chunk));
   if (include_usage_) {
     json usage = ChunkBase();
@@ -1002,7 +1008,7 @@ std::string ChunkFormatter::Completion(const v1::ChatResponse& r) const {
                      {"logprobs", logprobs_ ? LogprobsJson(r.logprobs()) : json()},
                      {"finish_reason", finish}}})},
       {"usage", UsageJson(r.usage())},
-      {"x_vlm", Extras(r.request_id(), r.usage(), r.timings(), r.images())}};
+      {"x_vlm", Extras(r.request_id(), r.usage(), r.timings(), r.images(), r.language())}};
   return DumpJson(completion);
 }
 

@@ -86,7 +86,7 @@ absl::StatusOr<std::vector<std::string>> ParseTargetList(std::string_view list) 
     if (!host_port.ok() || host_port->first.empty() || entry[0] == ':' ||
         host_port->second <= 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("vision target \"", entry, "\" is not host:port with a non-zero port"));
+          absl::StrCat("target \"", entry, "\" is not host:port with a non-zero port"));
     }
     if (seen.insert(entry).second) targets.push_back(entry);
   }

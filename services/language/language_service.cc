@@ -24,7 +24,9 @@
 #include "common/kernels/kernel_path.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/model_fingerprint.h"
 #include "common/tensor_codec.h"
+#include "common/time_util.h"
 #include "nlohmann/json.hpp"
 #include "services/language/grammar/tokenizer_vocabulary.h"
 #include "services/language/sampling/stop_strings.h"
@@ -35,10 +37,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kLog[] = "language";
-
-double MillisBetween(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
 
 bool DeadlinePassed(const grpc::ServerContext* context) {
   return std::chrono::system_clock::now() > context->deadline();
@@ -334,6 +332,12 @@ absl::Status LanguageService::Load() {
     if (!config_.tie_warning.empty()) LogWarning(kLog, config_.tie_warning);
   }
   if (absl::Status s = LoadDecoder(); !s.ok()) return s;
+  {
+    absl::StatusOr<std::string> fingerprint = ModelFingerprintOfDir(dir);
+    if (!fingerprint.ok()) return fingerprint.status();
+    fingerprint_ = *std::move(fingerprint);
+    LogInfo(kLog, "model fingerprint", {{"fingerprint", fingerprint_}});
+  }
 
   readiness_->SetNotServing(kLanguageServiceName, "projector warming up");
   {
@@ -718,6 +722,19 @@ grpc::Status LanguageService::CountTokens(grpc::ServerContext* context,
                                           v1::CountTokensResponse* response) {
   if (grpc::Status s = readiness_->CheckGrpc(kLanguageServiceName); !s.ok()) return s;
   return RunCountTokens(*request, response);
+}
+
+grpc::Status LanguageService::ReplicaInfo(grpc::ServerContext* /*context*/,
+                                          const v1::ReplicaInfoRequest* /*request*/,
+                                          v1::ReplicaInfoResponse* response) {
+  if (grpc::Status s = readiness_->CheckGrpc(kLanguageServiceName); !s.ok()) return s;
+  const EngineStats stats = engine_->Stats();
+  response->set_model_fingerprint(fingerprint_);
+  response->set_running(stats.running);
+  response->set_waiting(stats.waiting);
+  response->set_max_sequences(options_.max_sequences);
+  response->set_max_queue(options_.max_queue);
+  return grpc::Status::OK;
 }
 
 grpc::Status LanguageService::CountTokensRaw(grpc::ServerContext* context, RawStream* stream) {

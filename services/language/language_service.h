@@ -22,6 +22,9 @@
 // Readiness: every RPC answers UNAVAILABLE until Load() has warmed up the
 // projector and the caller has marked the service SERVING.
 //
+// ReplicaInfo reports the checkpoint's fingerprint (common/model_fingerprint.h)
+// and the engine's running / waiting sequences, for the gateway's routing.
+//
 // Wire: both methods take the request as raw bytes and parse it themselves,
 // so that a string field holding invalid UTF-8 (which the generated proto3
 // parser rejects before any handler runs, as an anonymous INTERNAL error) is
@@ -102,6 +105,8 @@ class LanguageService final : public v1::Language::Service {
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
   grpc::Status CountTokens(grpc::ServerContext* context, const v1::GenerateRequest* request,
                            v1::CountTokensResponse* response) override;
+  grpc::Status ReplicaInfo(grpc::ServerContext* context, const v1::ReplicaInfoRequest* request,
+                           v1::ReplicaInfoResponse* response) override;
 
   const LanguageServiceOptions& options() const { return options_; }
   // After Load: the model and the engine, for benchmarks, tests and logs.
@@ -148,6 +153,7 @@ class LanguageService final : public v1::Language::Service {
   std::unique_ptr<grammar::GrammarCache> grammars_;  // compiled constraints, by text
   Metrics* metrics_;  // process-wide families, never destroyed
   int64_t max_context_ = 0;  // options.max_context capped by the model
+  std::string fingerprint_;  // ModelFingerprintOfDir(model_dir), set by Load
 };
 
 }  // namespace vlm::language

@@ -140,8 +140,21 @@ class FakeVision final : public v1::VisionEncoder::Service {
 // "die" fails after two chunks.
 class FakeLanguage final : public v1::Language::Service {
  public:
+  explicit FakeLanguage(std::string fingerprint = "fake-model") : fingerprint_(std::move(fingerprint)) {}
+  grpc::Status ReplicaInfo(grpc::ServerContext*, const v1::ReplicaInfoRequest*,
+                           v1::ReplicaInfoResponse* response) override {
+    response->set_model_fingerprint(fingerprint_);
+    response->set_running(running_.load());
+    return grpc::Status::OK;
+  }
+  // Every Generate fails UNAVAILABLE before its first response (a replica
+  // going away between two health updates).
+  void set_unavailable(bool v) { unavailable_ = v; }
+  int generates() const { return generates_.load(); }
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override {
+    generates_.fetch_add(1);
+    if (unavailable_.load()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "going away");
     std::string text;
     std::vector<std::string> hashes;
     for (const auto& m : request->messages()) {
@@ -215,14 +228,23 @@ class FakeLanguage final : public v1::Language::Service {
   absl::Mutex mu_;
   v1::GenerateRequest last_request_ ABSL_GUARDED_BY(mu_);
   system_clock::time_point last_deadline_ ABSL_GUARDED_BY(mu_);
+  const std::string fingerprint_;
   std::atomic<int> running_{0};
   std::atomic<int> stopped_early_{0};
+  std::atomic<int> generates_{0};
+  std::atomic<bool> unavailable_{false};
 };
+
+// A language service of an older protocol: no ReplicaInfo.
+class LanguageWithoutInfo final : public v1::Language::Service {};
 
 // The gateway wired as in main.cc, on 127.0.0.1:0.
 class Gateway {
  public:
   Gateway(std::vector<std::string> vision, const std::string& language, int max_inflight = 4,
+          int max_queue = 4)
+      : Gateway(std::move(vision), std::vector<std::string>{language}, max_inflight, max_queue) {}
+  Gateway(std::vector<std::string> vision, std::vector<std::string> language, int max_inflight = 4,
           int max_queue = 4)
       : server_(Options()), health_(&server_.readiness(), GatewayService::kServiceName) {
     VisionRouterOptions router_options;
@@ -231,17 +253,21 @@ class Gateway {
     router_options.health.retry_max = absl::Milliseconds(200);
     router_options.channel.max_reconnect_backoff = absl::Milliseconds(200);
     router_ = *VisionRouter::Create(router_options, [this] { health_.Update(); });
-    auto channel = CreateBackendChannel(language, router_options.channel);
+    LanguageRouterOptions language_options;
+    language_options.static_targets = std::move(language);
+    language_options.health = router_options.health;
+    language_options.channel = router_options.channel;
+    language_options.info_refresh = absl::Milliseconds(50);
+    language_ = *LanguageRouter::Create(language_options, [this] { health_.Update(); });
     admission_ = std::make_unique<Admission>(max_inflight, max_queue);
     GatewayOptions options;
     options.limits.max_images_per_request = 3;
-    options.language_target = language;
     service_ = std::make_unique<GatewayService>(options, &server_.readiness(), admission_.get(),
-                                                router_.get(), v1::Language::NewStub(channel));
+                                                router_.get(), language_.get());
     server_.AddService(service_.get(), GatewayService::kServiceName, "waiting for backends");
     EXPECT_TRUE(server_.Start().ok());
-    health_.Start(language, channel, [this] { return router_->Replicas(); },
-                  router_options.health);
+    health_.Start([this] { return language_->Replicas(); },
+                  [this] { return router_->Replicas(); });
     auto client_channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_.grpc_port()),
                                               grpc::InsecureChannelCredentials());
     stub_ = v1::VisionLanguage::NewStub(client_channel);
@@ -249,6 +275,7 @@ class Gateway {
   }
   ~Gateway() {
     health_.Stop();
+    language_.reset();
     router_.reset();
   }
 
@@ -276,12 +303,14 @@ class Gateway {
 
   v1::VisionLanguage::Stub& stub() { return *stub_; }
   VisionRouter& router() { return *router_; }
+  LanguageRouter& language() { return *language_; }
   Admission& admission() { return *admission_; }
 
  private:
   Server server_;
   BackendHealth health_;
   std::unique_ptr<VisionRouter> router_;
+  std::unique_ptr<LanguageRouter> language_;
   std::unique_ptr<Admission> admission_;
   std::unique_ptr<GatewayService> service_;
   std::unique_ptr<v1::VisionLanguage::Stub> stub_;
@@ -622,6 +651,94 @@ TEST_F(GatewayFakeTest, AdmissionRefusesBeyondTheQueueAndHealthStaysFast) {
   }
   for (auto& t : busy) t.join();
   EXPECT_EQ(ok.load(), 3);  // the queued one ran after a slot freed
+}
+
+// Language replicas that serve another model (their fingerprint differs from
+// the majority's), speak an older protocol (no ReplicaInfo) or are not a
+// language service at all are never routed to, and the gateway says why.
+TEST(GatewayLanguageReplicasTest, AnotherModelOrProtocolIsNotRoutedToAndIsReported) {
+  FakeVision vision("vision");
+  FakeServer vision_server(&vision, "vlm.v1.VisionEncoder");
+  FakeLanguage same_1, same_2, other("other-model");
+  LanguageWithoutInfo old;
+  FakeServer s1(&same_1, "vlm.v1.Language"), s2(&same_2, "vlm.v1.Language"),
+      s_other(&other, "vlm.v1.Language"), s_old(&old, "vlm.v1.Language");
+  Gateway g({vision_server.target()},
+            std::vector<std::string>{s1.target(), s2.target(), s_other.target(), s_old.target(),
+                                     vision_server.target()});
+  ASSERT_TRUE(g.WaitServing());
+  std::map<std::string, BackendState> states;
+  ASSERT_TRUE(Eventually([&] {
+    states.clear();
+    for (const BackendState& s : g.language().Replicas()) states[s.name] = s;
+    return states[s1.target()].status == BackendStatus::kServing &&
+           states[s2.target()].status == BackendStatus::kServing &&
+           absl::StrContains(states[s_other.target()].detail, "serves another model") &&
+           absl::StrContains(states[s_old.target()].detail, "does not answer") &&
+           absl::StrContains(states[vision_server.target()].detail, "does not serve vlm.v1.Language");
+  })) << states[s_other.target()].detail << " / " << states[s_old.target()].detail << " / "
+      << states[vision_server.target()].detail;
+  std::set<std::string> used;
+  for (int i = 0; i < 12; ++i) {
+    v1::ChatResponse r;
+    ASSERT_TRUE(Chat(g, Request(absl::StrCat("conversation ", i)), &r).ok());
+    used.insert(r.language().replica());
+    EXPECT_EQ(r.language().route(), "affinity");
+    EXPECT_EQ(r.language().attempts(), 1);
+  }
+  EXPECT_EQ(used, (std::set<std::string>{s1.target(), s2.target()}));
+  EXPECT_EQ(other.generates(), 0);
+  const std::string metrics = RenderMetrics();
+  EXPECT_EQ(metrics_text::MetricValue(metrics, absl::StrCat("vlm_gateway_backend_serving{backend=\"language\",target=\"",
+                                                            s_other.target(), "\"}")),
+            std::optional<double>(0));
+  EXPECT_EQ(metrics_text::MetricValue(metrics, absl::StrCat("vlm_gateway_backend_serving{backend=\"language\",target=\"",
+                                                            s1.target(), "\"}")),
+            std::optional<double>(1));
+}
+
+// A replica that fails UNAVAILABLE before the first token (it went away
+// between two health updates) hands the request to the next in hash order.
+TEST(GatewayLanguageReplicasTest, UnavailableBeforeTheFirstTokenFailsOverToTheNextReplica) {
+  FakeVision vision("vision");
+  FakeServer vision_server(&vision, "vlm.v1.VisionEncoder");
+  FakeLanguage failing, healthy;
+  FakeServer s_failing(&failing, "vlm.v1.Language"), s_healthy(&healthy, "vlm.v1.Language");
+  Gateway g({vision_server.target()}, std::vector<std::string>{s_failing.target(), s_healthy.target()});
+  ASSERT_TRUE(g.WaitServing());
+  ASSERT_TRUE(Eventually([&] { return g.language().Route("k").order.size() == 2; }));
+  failing.set_unavailable(true);
+  // A conversation whose home is the failing replica.
+  v1::ChatRequest request;
+  for (int i = 0;; ++i) {
+    request = Request(absl::StrCat("question ", i));
+    const std::string key = ConversationRouteKey(request, {});
+    if (RendezvousOrder(key, {s_failing.target(), s_healthy.target()})[0] == s_failing.target()) break;
+  }
+  v1::ChatResponse r;
+  ASSERT_TRUE(Chat(g, request, &r).ok());
+  EXPECT_EQ(r.language().replica(), s_healthy.target());
+  EXPECT_EQ(r.language().route(), "failover");
+  EXPECT_EQ(r.language().attempts(), 2);
+  EXPECT_EQ(failing.generates(), 1);
+  // Its next turn goes where it was served, not back to the failing home.
+  failing.set_unavailable(false);
+  auto* answer = request.add_messages();
+  answer->set_role("assistant");
+  answer->add_content()->set_text(r.text());
+  auto* next = request.add_messages();
+  next->set_role("user");
+  next->add_content()->set_text("and then?");
+  ASSERT_TRUE(Chat(g, request, &r).ok());
+  EXPECT_EQ(r.language().replica(), s_healthy.target());
+  EXPECT_EQ(r.language().route(), "affinity");
+  EXPECT_EQ(failing.generates(), 1);
+  // With every replica failing, the error names the last one tried.
+  failing.set_unavailable(true);
+  healthy.set_unavailable(true);
+  grpc::Status s = Chat(g, Request("anyone?"), &r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(absl::StartsWith(s.error_message(), "language service unavailable (")) << s.error_message();
 }
 
 }  // namespace

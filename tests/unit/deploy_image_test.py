@@ -316,7 +316,7 @@ def check_compose(flags):
                 check(var.startswith("VLM_") and var[4:].lower() in flags[binary],
                       f"{w}: {var} is not a flag of {binary}")
     gw = services.get("gateway", {}).get("environment", {})
-    check(gw.get("VLM_VISION_DNS") == "vision:50051" and gw.get("VLM_LANGUAGE_TARGET") == "language:50051",
+    check(gw.get("VLM_VISION_DNS") == "vision:50051" and gw.get("VLM_LANGUAGE_DNS") == "language:50051",
           f"compose gateway points at vision (DNS) and language: {gw}")
     gw_ports = services.get("gateway", {}).get("ports") or []
     check("127.0.0.1:8080:8080" in gw_ports,

@@ -132,19 +132,25 @@ TEST(ResolveTest, UnknownNameIsUnavailable) {
   EXPECT_NE(r.status().message().find("no-such-host.invalid"), std::string::npos);
 }
 
-TEST(ReadinessRuleTest, NeedsLanguageAndOneVisionReplicaServing) {
+TEST(ReadinessRuleTest, NeedsOneLanguageAndOneVisionReplicaServing) {
   const BackendState lang_ok{"l:1", BackendStatus::kServing, ""};
   const BackendState lang_warm{"l:1", BackendStatus::kNotServing, ""};
+  const BackendState lang_other{"l:2", BackendStatus::kNotServing, "serves another model"};
   const BackendState v_ok{"v:1", BackendStatus::kServing, ""};
   const BackendState v_down{"v:2", BackendStatus::kUnreachable, "connection refused"};
-  EXPECT_TRUE(EvaluateReadiness(lang_ok, {v_down, v_ok}).ok());
-  absl::Status s = EvaluateReadiness(lang_warm, {v_ok});
+  EXPECT_TRUE(EvaluateReadiness({lang_ok}, {v_down, v_ok}).ok());
+  EXPECT_TRUE(EvaluateReadiness({lang_warm, lang_ok}, {v_ok}).ok());
+  absl::Status s = EvaluateReadiness({lang_warm}, {v_ok});
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(s.message(), "language service l:1 is NOT_SERVING");
-  s = EvaluateReadiness(lang_ok, {v_down});
+  s = EvaluateReadiness({lang_warm, lang_other}, {v_ok});
+  EXPECT_EQ(s.message(),
+            "no language replica is SERVING: l:1 NOT_SERVING; l:2 NOT_SERVING (serves another model)");
+  s = EvaluateReadiness({lang_ok}, {v_down});
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(s.message(), "no vision replica is SERVING: v:2 unreachable (connection refused)");
-  EXPECT_FALSE(EvaluateReadiness(lang_ok, {}).ok());
+  EXPECT_FALSE(EvaluateReadiness({lang_ok}, {}).ok());
+  EXPECT_EQ(EvaluateReadiness({}, {v_ok}).message(), "no language replica is known");
 }
 
 TEST(ErrorMappingTest, VisionErrorsNameTheImageAndKeepMeaningfulCodes) {

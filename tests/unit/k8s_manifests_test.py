@@ -240,18 +240,18 @@ def check_overlay(name, docs):
             for p in svc["spec"]["ports"]:
                 check(container_port(c, p.get("targetPort", p["port"])) is not None,
                       f"{w}: targetPort {p.get('targetPort')} exists in the pod")
-    vision_svc = services.get("vlm-vision", {}).get("spec", {})
-    check(vision_svc.get("clusterIP") == "None", f"{where} vlm-vision Service is headless")
-    for s in ("vlm-language", "vlm-gateway"):
-        spec = services.get(s, {}).get("spec", {})
-        check(spec.get("type", "ClusterIP") == "ClusterIP" and spec.get("clusterIP") != "None",
-              f"{where} {s} Service is ClusterIP")
+    for s in ("vlm-vision", "vlm-language"):
+        check(services.get(s, {}).get("spec", {}).get("clusterIP") == "None",
+              f"{where} {s} Service is headless")
+    gateway_svc = services.get("vlm-gateway", {}).get("spec", {})
+    check(gateway_svc.get("type", "ClusterIP") == "ClusterIP"
+          and gateway_svc.get("clusterIP") != "None", f"{where} vlm-gateway Service is ClusterIP")
 
-    # The gateway discovers vision replicas through the headless Service's DNS
-    # name (--vision_dns) and reaches language through its Service.
+    # The gateway discovers the vision and language replicas through the
+    # headless Services' DNS names (--vision_dns, --language_dns).
     if "gateway" in pods:
         genv = env_of(pods["gateway"][3])
-        for var, s in (("VLM_VISION_DNS", "vlm-vision"), ("VLM_LANGUAGE_TARGET", "vlm-language")):
+        for var, s in (("VLM_VISION_DNS", "vlm-vision"), ("VLM_LANGUAGE_DNS", "vlm-language")):
             port = services.get(s, {}).get("spec", {}).get("ports", [{}])[0].get("port")
             check(re.fullmatch(rf"{s}(\.[a-z0-9.-]+)?:{port}", genv.get(var) or "") is not None,
                   f"{where} gateway {var}={genv.get(var)} names Service {s}:{port}")
@@ -289,10 +289,11 @@ def check_overlay(name, docs):
             check(dep["spec"].get("replicas") == 1,
                   f"{where} {dep['metadata']['name']} has one replica")
     else:
-        check([h["spec"]["scaleTargetRef"]["name"] for h in hpas] == ["vlm-vision"],
-              f"{where} one HPA, for vlm-vision")
-        check("replicas" not in deployments.get("vlm-vision", {}).get("spec", {}),
-              f"{where} vlm-vision replicas left to the HPA")
+        check(sorted(h["spec"]["scaleTargetRef"]["name"] for h in hpas)
+              == ["vlm-language", "vlm-vision"], f"{where} HPAs for vlm-vision and vlm-language")
+        for d in ("vlm-vision", "vlm-language"):
+            check("replicas" not in deployments.get(d, {}).get("spec", {}),
+                  f"{where} {d} replicas left to the HPA")
 
     check_network_policies(where, by_kind.get("NetworkPolicy", []), pods)
     if name.endswith("-tls"):
@@ -325,15 +326,18 @@ def check_overlay(name, docs):
                   and vol["spec"].get("storageClassName") == claim["spec"].get("storageClassName"),
                   f"{where} model claim bound to a hostPath PersistentVolume of its class")
 
-    # Images: dev uses local :dev tags; prod a registry and a pinned tag.
+    # Images: dev uses what scripts/build_images.sh tags (localhost/vlm-<service>:<version>,
+    # loaded with `kind load image-archive`); prod a registry, tagged with the same version.
+    with open(os.path.join(ROOT, "common", "CMakeLists.txt")) as f:
+        version = re.search(r'^set\(VLM_VERSION "([^"]+)"\)', f.read(), re.M).group(1)
     for comp, (_, _, _, c) in pods.items():
         image = c["image"]
         if name == "dev":
-            check(image == f"vlm-{comp}:dev", f"{where} {comp} image {image} is vlm-{comp}:dev")
+            want = f"localhost/vlm-{comp}:{version}"
+            check(image == want, f"{where} {comp} image {image} is {want}")
         else:
-            check("/" in image and ":" in image.rsplit("/", 1)[1]
-                  and not image.endswith(":latest"),
-                  f"{where} {comp} image {image} is a registry image with a pinned tag")
+            check("/" in image and image.rsplit("/", 1)[1].endswith(f":{version}"),
+                  f"{where} {comp} image {image} is a registry image tagged {version}")
     return pods
 
 

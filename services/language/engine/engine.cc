@@ -13,6 +13,7 @@
 #include "common/kernels/thread_pool.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/time_util.h"
 #include "services/language/model/mrope.h"
 #include "services/language/engine/scheduler.h"
 
@@ -21,10 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kLog[] = "language";
-
-double MillisBetween(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
 
 }  // namespace
 
