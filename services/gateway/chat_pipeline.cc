@@ -369,6 +369,8 @@ v1::GenerateRequest ChatPipeline::BuildGenerateRequest(const v1::ChatRequest& re
   for (const v1::ChatMessage& message : request.messages()) {
     v1::LanguageMessage* out = generate.add_messages();
     out->set_role(message.role());
+    *out->mutable_tool_calls() = message.tool_calls();
+    out->set_tool_call_id(message.tool_call_id());
     for (const v1::ContentPart& part : message.content()) {
       v1::LanguageContentPart* out_part = out->add_content();
       if (part.has_image()) {
@@ -379,6 +381,8 @@ v1::GenerateRequest ChatPipeline::BuildGenerateRequest(const v1::ChatRequest& re
     }
   }
   *generate.mutable_params() = request.params();
+  *generate.mutable_tools() = request.tools();
+  *generate.mutable_tool_choice() = request.tool_choice();
   if (!generate.params().has_max_tokens() && options_.default_max_tokens > 0) {
     generate.mutable_params()->set_max_tokens(options_.default_max_tokens);
   }

@@ -2,6 +2,7 @@
 //
 //   vlm-client --image cat.jpg "What is in this picture?"   # streams the answer
 //   vlm-client --json --image cat.jpg "Describe it."          # the full response as JSON
+//   vlm-client --json-schema invoice.schema.json --image inv.png "Extract the fields."
 //   vlm-client health [--wait 60]                             # SERVING? (exit 0 if so)
 //   vlm-client --target gw:443 --tls_ca ca.pem health          # connection options go anywhere
 //
@@ -53,6 +54,9 @@ chat options:
   --repetition-penalty F  --presence-penalty F  --frequency-penalty F
   --seed N                 same seed + inputs => same output
   --stop TEXT              stop string; repeatable
+  --json-schema FILE       constrain the answer to JSON valid under this JSON Schema
+  --json-object            constrain the answer to a JSON object
+  --regex PATTERN          constrain the answer to match this regular expression
   --min-pixels N  --max-pixels N   image resize bounds
   --deadline SECONDS       give up after this long (default 300)
   --request-id ID          echoed back in the response
@@ -321,6 +325,22 @@ std::optional<int> ParseChatArgs(Args& args, Connection& connection, ChatOptions
     if (args.Value("stop", &v, &error)) {
       if (!error.empty()) return UsageError(error);
       params->add_stop(v);
+      continue;
+    }
+    if (args.Value("json-schema", &v, &error)) {
+      if (!error.empty()) return UsageError(error);
+      std::optional<std::string> schema = ReadFile(v, &error);
+      if (!schema) return UsageError(error);
+      params->set_json_schema(std::move(*schema));
+      continue;
+    }
+    if (args.Value("regex", &v, &error)) {
+      if (!error.empty()) return UsageError(error);
+      params->set_regex(v);
+      continue;
+    }
+    if (args.Flag("json-object")) {
+      params->set_json_object(true);
       continue;
     }
     std::optional<int> r;

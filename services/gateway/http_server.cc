@@ -223,6 +223,7 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
   auto format = std::make_shared<ChunkFormatter>(
       absl::StrCat("chatcmpl-", id), absl::ToUnixSeconds(absl::Now()), parsed.model,
       parsed.logprobs, parsed.include_usage);
+  format->set_tool_calls(parsed.tool_calls);
 
   if (!parsed.stream) {
     // Nothing is written until the end, so only the watch notices a client

@@ -212,6 +212,47 @@ std::optional<ApiError> ParseContentPart(const json& part, const std::string& wh
                                      options.allow_remote_images ? " or an http(s) URL" : ""));
 }
 
+// An assistant message's tool_calls: [{id, type: "function", function:
+// {name, arguments (a JSON string)}}].
+std::optional<ApiError> ParseToolCalls(const json& calls, const std::string& where,
+                                       const std::string& role, v1::ChatMessage* message) {
+  if (!calls.is_array()) return WrongType(where, "an array", calls);
+  if (calls.empty()) return std::nullopt;
+  if (role != "assistant") {
+    return Invalid(where, absl::StrCat(where, " is allowed on assistant messages only"));
+  }
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const std::string at = absl::StrCat(where, "[", k, "]");
+    const json& c = calls[k];
+    if (!c.is_object()) return WrongType(at, "an object", c);
+    const json* function = Field(c, "function");
+    if (function == nullptr || !function->is_object()) {
+      return WrongType(at + ".function", "an object", function ? *function : json());
+    }
+    const json* name = Field(*function, "name");
+    if (name == nullptr || !name->is_string()) {
+      return WrongType(at + ".function.name", "a string", name ? *name : json());
+    }
+    const json* arguments = Field(*function, "arguments");
+    std::string args = "{}";
+    if (arguments != nullptr) {
+      if (!arguments->is_string()) return WrongType(at + ".function.arguments", "a string", *arguments);
+      args = arguments->get<std::string>();
+      if (!json::accept(args)) {
+        return Invalid(at + ".function.arguments",
+                       absl::StrCat(at, ".function.arguments is not JSON text"));
+      }
+    }
+    v1::ToolCall* call = message->add_tool_calls();
+    if (const json* id = Field(c, "id"); id != nullptr && id->is_string()) {
+      call->set_id(id->get<std::string>());
+    }
+    call->set_name(name->get<std::string>());
+    call->set_arguments(std::move(args));
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseMessages(const json& body, const ParseOptions& options,
                                       OpenAiChatRequest* out) {
   const json* messages = Field(body, "messages");
@@ -228,22 +269,30 @@ std::optional<ApiError> ParseMessages(const json& body, const ParseOptions& opti
     }
     std::string name = role->get<std::string>();
     if (name == "developer") name = "system";  // OpenAI's newer name for system
-    if (name == "tool" || name == "function") {
-      return Invalid(where + ".role", absl::StrCat(where, ".role \"", name,
-                                                   "\" is not supported (no tool calling)"));
+    if (name == "function") {
+      return Invalid(where + ".role", absl::StrCat(where, ".role \"function\" (the legacy "
+                                                   "functions API) is not supported; use tools"));
     }
-    if (name != "system" && name != "user" && name != "assistant") {
+    if (name != "system" && name != "user" && name != "assistant" && name != "tool") {
       return Invalid(where + ".role",
                      absl::StrCat(where, ".role is \"", name,
-                                  "\"; must be one of system, developer, user, assistant"));
-    }
-    if (Field(m, "tool_calls") != nullptr && !(*Field(m, "tool_calls")).empty()) {
-      return Invalid(where + ".tool_calls", "tool calls are not supported");
+                                  "\"; must be one of system, developer, user, assistant, tool"));
     }
     v1::ChatMessage* message = out->request.add_messages();
     message->set_role(name);
+    if (const json* calls = Field(m, "tool_calls")) {
+      if (auto e = ParseToolCalls(*calls, where + ".tool_calls", name, message)) return e;
+    }
+    if (name == "tool") {
+      const json* id = Field(m, "tool_call_id");
+      if (id == nullptr || !id->is_string()) {
+        return WrongType(where + ".tool_call_id", "a string", id ? *id : json());
+      }
+      message->set_tool_call_id(id->get<std::string>());
+    }
     const json* content = Field(m, "content");
     const std::string content_where = where + ".content";
+    if (content == nullptr && message->tool_calls_size() > 0) continue;  // a call without text
     if (content == nullptr) {
       return Invalid(content_where, absl::StrCat(content_where, " is required"));
     }
@@ -279,6 +328,11 @@ constexpr Rename kRenames[] = {
     {"params.max_tokens", "max_tokens"},
     {"params.top_logprobs", "top_logprobs"},
     {"params.stop", "stop"},
+    {"params.json_schema", "response_format"},
+    {"params.json_object", "response_format"},
+    {"params.constraint", "response_format"},
+    {"tool_choice.function", "tool_choice"},
+    {"tool_choice", "tool_choice"},
 };
 
 }  // namespace
@@ -288,6 +342,16 @@ ApiError ApiErrorFromStatus(const grpc::Status& status, const v1::ChatRequest* r
   e.code = status.error_code();
   e.message = status.error_message();
   if (e.code == grpc::StatusCode::INVALID_ARGUMENT) {
+    // The language service's own validation (schemas, tools) comes prefixed
+    // by the backend's name; the field it names leads once that is dropped.
+    constexpr absl::string_view kLanguage = "language service: ";
+    if (absl::StartsWith(e.message, kLanguage)) {
+      const std::string rest = e.message.substr(kLanguage.size());
+      for (const char* field : {"params.json_schema", "params.json_object", "params.constraint",
+                                "params.regex", "tools[", "tool_choice"}) {
+        if (absl::StartsWith(rest, field)) e.message = rest;
+      }
+    }
     for (const Rename& r : kRenames) {
       if (absl::StartsWith(e.message, r.proto)) {
         e.message = absl::StrCat(r.openai, e.message.substr(std::string_view(r.proto).size()));
@@ -296,7 +360,7 @@ ApiError ApiErrorFromStatus(const grpc::Status& status, const v1::ChatRequest* r
       }
     }
     if (e.param.empty()) {
-      if (absl::StartsWith(e.message, "messages[")) {
+      if (absl::StartsWith(e.message, "messages[") || absl::StartsWith(e.message, "tools")) {
         e.param = e.message.substr(0, e.message.find_first_of(" :"));
       } else if (int n = 0; request != nullptr && absl::StartsWith(e.message, "image ") &&
                             absl::SimpleAtoi(absl::string_view(e.message).substr(6).substr(
@@ -442,6 +506,132 @@ std::optional<ApiError> ParseGenerationParams(const json& body, OpenAiChatReques
   return std::nullopt;
 }
 
+// tools: [{type: "function", function: {name, description?, parameters?,
+// strict?}}]; tool_choice: "none" | "auto" | "required" |
+// {type: "function", function: {name}}; parallel_tool_calls is accepted (a
+// required or named choice yields one call).
+std::optional<ApiError> ParseTools(const json& body, const nlohmann::ordered_json& ordered,
+                                   OpenAiChatRequest* out) {
+  const json* tools = Field(body, "tools");
+  if (tools != nullptr) {
+    if (!tools->is_array()) return WrongType("tools", "an array", *tools);
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const std::string at = absl::StrCat("tools[", i, "]");
+      const json& t = (*tools)[i];
+      if (!t.is_object()) return WrongType(at, "an object", t);
+      const json* type = Field(t, "type");
+      if (type == nullptr || *type != "function") {
+        return Invalid(at + ".type", absl::StrCat(at, ".type must be \"function\""));
+      }
+      const json* function = Field(t, "function");
+      if (function == nullptr || !function->is_object()) {
+        return WrongType(at + ".function", "an object", function ? *function : json());
+      }
+      const json* name = Field(*function, "name");
+      if (name == nullptr || !name->is_string()) {
+        return WrongType(at + ".function.name", "a string", name ? *name : json());
+      }
+      v1::Tool* tool = out->request.add_tools();
+      tool->set_name(name->get<std::string>());
+      if (const json* d = Field(*function, "description")) {
+        if (!d->is_string()) return WrongType(at + ".function.description", "a string", *d);
+        tool->set_description(d->get<std::string>());
+      }
+      if (const json* p = Field(*function, "parameters")) {
+        if (!p->is_object()) return WrongType(at + ".function.parameters", "an object", *p);
+        tool->set_parameters(ordered.at("tools").at(i).at("function").at("parameters").dump());
+      }
+    }
+  }
+  bool parallel = true;
+  if (auto e = GetBool(body, "parallel_tool_calls", &parallel)) return e;
+  v1::ToolChoice* choice = out->request.mutable_tool_choice();
+  const json* tool_choice = Field(body, "tool_choice");
+  const bool has_tools = out->request.tools_size() > 0;
+  if (tool_choice == nullptr) {
+    choice->set_mode(has_tools ? v1::TOOL_CHOICE_AUTO : v1::TOOL_CHOICE_NONE);
+  } else if (tool_choice->is_string()) {
+    const std::string mode = tool_choice->get<std::string>();
+    if (mode == "none") {
+      choice->set_mode(v1::TOOL_CHOICE_NONE);
+    } else if (mode == "auto") {
+      choice->set_mode(has_tools ? v1::TOOL_CHOICE_AUTO : v1::TOOL_CHOICE_NONE);
+    } else if (mode == "required") {
+      choice->set_mode(v1::TOOL_CHOICE_REQUIRED);
+    } else {
+      return Invalid("tool_choice", absl::StrCat("tool_choice is \"", mode,
+                                                 "\"; must be none, auto, required or "
+                                                 "{\"type\": \"function\", ...}"));
+    }
+  } else if (tool_choice->is_object()) {
+    const json* function = Field(*tool_choice, "function");
+    const json* name = function && function->is_object() ? Field(*function, "name") : nullptr;
+    if (name == nullptr || !name->is_string()) {
+      return WrongType("tool_choice.function.name", "a string", name ? *name : json());
+    }
+    choice->set_mode(v1::TOOL_CHOICE_FUNCTION);
+    choice->set_function(name->get<std::string>());
+  } else {
+    return WrongType("tool_choice", "a string or an object", *tool_choice);
+  }
+  if (!has_tools && choice->mode() != v1::TOOL_CHOICE_NONE) {
+    return Invalid("tool_choice", "tool_choice requires tools");
+  }
+  out->tool_calls = has_tools && choice->mode() != v1::TOOL_CHOICE_NONE;
+  return std::nullopt;
+}
+
+// response_format: {type: "text"} | {type: "json_object"} |
+// {type: "json_schema", json_schema: {name, description?, schema, strict?}}.
+// The output is constrained whether or not strict is set.
+std::optional<ApiError> ParseResponseFormat(const json& body, const nlohmann::ordered_json& ordered,
+                                            OpenAiChatRequest* out) {
+  const json* format = Field(body, "response_format");
+  if (format == nullptr) return std::nullopt;
+  if (!format->is_object()) return WrongType("response_format", "an object", *format);
+  const json* type = Field(*format, "type");
+  if (type == nullptr || !type->is_string()) {
+    return WrongType("response_format.type", "a string", type ? *type : json());
+  }
+  v1::GenerationParams* params = out->request.mutable_params();
+  const std::string kind = type->get<std::string>();
+  if (kind == "text") return std::nullopt;
+  if (kind == "json_object") {
+    params->set_json_object(true);
+  } else if (kind == "json_schema") {
+    const json* spec = Field(*format, "json_schema");
+    if (spec == nullptr || !spec->is_object()) {
+      return WrongType("response_format.json_schema", "an object", spec ? *spec : json());
+    }
+    const json* name = Field(*spec, "name");
+    if (name == nullptr || !name->is_string()) {
+      return WrongType("response_format.json_schema.name", "a string", name ? *name : json());
+    }
+    const json* schema = Field(*spec, "schema");
+    if (schema == nullptr || !schema->is_object()) {
+      return WrongType("response_format.json_schema.schema", "an object",
+                       schema ? *schema : json());
+    }
+    bool strict = false;
+    if (auto e = GetBool(*spec, "strict", &strict)) {
+      e->param = "response_format.json_schema.strict";
+      e->message = "response_format.json_schema." + e->message;
+      return e;
+    }
+    params->set_json_schema(ordered.at("response_format").at("json_schema").at("schema").dump());
+  } else {
+    return Invalid("response_format.type",
+                   absl::StrCat("response_format.type is \"", kind,
+                                "\"; must be text, json_object or json_schema"));
+  }
+  const v1::ToolChoiceMode mode = out->request.tool_choice().mode();
+  if (mode == v1::TOOL_CHOICE_REQUIRED || mode == v1::TOOL_CHOICE_FUNCTION) {
+    return Invalid("response_format", "response_format cannot be combined with tool_choice "
+                                      "required or a named function");
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
                                                    const ParseOptions& options,
                                                    OpenAiChatRequest* out) {
@@ -484,17 +674,17 @@ std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
   std::optional<int64_t> n;
   if (auto e = GetInt(body, "n", &n)) return e;
   if (n && *n != 1) return Invalid("n", absl::StrCat("n is ", *n, "; only n=1 is supported"));
-  for (const char* name : {"tools", "functions"}) {
-    const json* v = Field(body, name);
-    if (v != nullptr && !(v->is_array() && v->empty())) {
-      return Invalid(name, absl::StrCat(name, " are not supported (no tool calling)"));
-    }
+  if (const json* v = Field(body, "functions"); v != nullptr && !(v->is_array() && v->empty())) {
+    return Invalid("functions", "functions (the legacy functions API) are not supported; use tools");
   }
-  if (const json* format = Field(body, "response_format")) {
-    const json* type = format->is_object() ? Field(*format, "type") : nullptr;
-    if (type == nullptr || *type != "text") {
-      return Invalid("response_format", "only response_format {\"type\": \"text\"} is supported");
-    }
+  if (Field(body, "tools") != nullptr || Field(body, "response_format") != nullptr ||
+      Field(body, "tool_choice") != nullptr) {
+    // Schemas keep the client's key order (property order is output order),
+    // so they are taken from an order-preserving parse of the same body.
+    const nlohmann::ordered_json ordered =
+        nlohmann::ordered_json::parse(body_text, nullptr, /*allow_exceptions=*/false);
+    if (auto e = ParseTools(body, ordered, out)) return e;
+    if (auto e = ParseResponseFormat(body, ordered, out)) return e;
   }
 
   if (auto e = GetBool(body, "stream", &out->stream)) return e;
@@ -636,27 +826,152 @@ std::string ChunkFormatter::RoleChunk() const {
   return DumpJson(chunk);
 }
 
-std::string ChunkFormatter::DeltaChunk(const v1::ChatChunk& delta) const {
+json ChunkFormatter::DeltaJson(const json& delta,
+                               const google::protobuf::RepeatedPtrField<v1::TokenLogprob>* logprobs,
+                               const char* finish_reason) const {
   json chunk = ChunkBase();
   chunk["choices"].push_back(
       {{"index", 0},
-       {"delta", {{"content", delta.text()}}},
-       {"logprobs", logprobs_ ? LogprobsJson(delta.logprobs()) : json()},
-       {"finish_reason", nullptr}});
-  return DumpJson(chunk);
+       {"delta", delta},
+       {"logprobs", logprobs_ && logprobs != nullptr ? LogprobsJson(*logprobs) : json()},
+       {"finish_reason", finish_reason == nullptr ? json() : json(finish_reason)}});
+  return chunk;
 }
+
+std::string ChunkFormatter::ReleaseContent(const std::string& text) const {
+  static const std::string kOpen("<tool_call>");
+  streamed_ += text;
+  if (streamed_.find(kOpen) != std::string::npos) {
+    // A block started: content ends before it (whitespace before it held).
+    size_t end = streamed_.find(kOpen);
+    while (end > released_ && absl::ascii_isspace(static_cast<unsigned char>(streamed_[end - 1]))) {
+      --end;
+    }
+    std::string out = end > released_ ? streamed_.substr(released_, end - released_) : "";
+    released_ = std::max(released_, end);
+    return out;
+  }
+  // Hold trailing whitespace and any tail that may grow into "<tool_call>".
+  size_t end = streamed_.size();
+  for (size_t k = std::min(kOpen.size() - 1, streamed_.size()); k > 0; --k) {
+    if (absl::EndsWith(streamed_, absl::string_view(kOpen).substr(0, k))) {
+      end = streamed_.size() - k;
+      break;
+    }
+  }
+  while (end > released_ && absl::ascii_isspace(static_cast<unsigned char>(streamed_[end - 1]))) {
+    --end;
+  }
+  std::string out = end > released_ ? streamed_.substr(released_, end - released_) : "";
+  released_ = std::max(released_, end);
+  return out;
+}
+
+std::string ChunkFormatter::DeltaChunk(const v1::ChatChunk& delta) const {
+  const std::string content = tool_calls_ ? ReleaseContent(delta.text()) : delta.text();
+  return DumpJson(DeltaJson({{"content", content}}, &delta.logprobs(), nullptr));
+}
+
+ParsedToolCalls ParseToolCallText(const std::string& text, const std::string& id_prefix) {
+  static const std::string kOpen("<tool_call>");
+  static const std::string kClose("</tool_call>");
+  ParsedToolCalls out;
+  const size_t first = text.find(kOpen);
+  if (first == std::string::npos) {
+    out.content = text;
+    return out;
+  }
+  size_t pos = first;
+  while (pos != std::string::npos) {
+    const size_t body = pos + kOpen.size();
+    const size_t close = text.find(kClose, body);
+    const std::string inner = text.substr(body, close == std::string::npos ? std::string::npos
+                                                                           : close - body);
+    const json call = json::parse(inner, nullptr, /*allow_exceptions=*/false);
+    const json* name = call.is_object() ? Field(call, "name") : nullptr;
+    const json* arguments = call.is_object() ? Field(call, "arguments") : nullptr;
+    if (name == nullptr || !name->is_string() || arguments == nullptr ||
+        !(arguments->is_object() || arguments->is_string())) {
+      out.calls.clear();
+      out.content = text;
+      return out;
+    }
+    v1::ToolCall c;
+    c.set_id(absl::StrCat(id_prefix, out.calls.size()));
+    c.set_name(name->get<std::string>());
+    c.set_arguments(arguments->is_string() ? arguments->get<std::string>() : DumpJson(*arguments));
+    out.calls.push_back(std::move(c));
+    if (close == std::string::npos) break;
+    // Only whitespace may separate blocks; anything else is not a call list.
+    size_t next = close + kClose.size();
+    while (next < text.size() && absl::ascii_isspace(static_cast<unsigned char>(text[next]))) ++next;
+    if (next == text.size()) break;
+    if (text.compare(next, kOpen.size(), kOpen) != 0) {
+      out.calls.clear();
+      out.content = text;
+      return out;
+    }
+    pos = next;
+  }
+  out.content = std::string(absl::StripTrailingAsciiWhitespace(text.substr(0, first)));
+  return out;
+}
+
+namespace {
+
+json ToolCallsJson(const std::vector<v1::ToolCall>& calls) {
+  json list = json::array();
+  for (const v1::ToolCall& c : calls) {
+    list.push_back({{"id", c.id()},
+                    {"type", "function"},
+                    {"function", {{"name", c.name()}, {"arguments", c.arguments()}}}});
+  }
+  return list;
+}
+
+}  // namespace
 
 std::vector<std::string> ChunkFormatter::FinalChunks(const v1::ChatChunk& last) const {
   std::vector<std::string> out;
-  if (!last.text().empty() || last.logprobs_size() > 0) out.push_back(DeltaChunk(last));
-  json finish = ChunkBase();
-  finish["choices"].push_back({{"index", 0},
+  const char* finish = FinishReasonName(last.finish_reason());
+  if (!tool_calls_) {
+    if (!last.text().empty() || last.logprobs_size() > 0) out.push_back(DeltaChunk(last));
+  } else {
+    streamed_ += last.text();
+    const ParsedToolCalls parsed = ParseToolCallText(streamed_, CallIdPrefix());
+    // Content not yet sent: the held tail, or everything held when the blocks
+    // turned out not to be calls.
+    const std::string& content = parsed.calls.empty() ? streamed_ : parsed.content;
+    if (content.size() > released_ || last.logprobs_size() > 0) {
+      const std::string rest = content.size() > released_ ? content.substr(released_) : "";
+      out.push_back(DumpJson(DeltaJson({{"content", rest}}, &last.logprobs(), nullptr)));
+    }
+    released_ = streamed_.size();
+    for (size_t i = 0; i < parsed.calls.size(); ++i) {
+      const v1::ToolCall& c = parsed.calls[i];
+      out.push_back(DumpJson(DeltaJson(
+          {{"tool_calls", json::array({{{"index", i},
+                                        {"id", c.id()},
+                                        {"type", "function"},
+                                        {"function", {{"name", c.name()}, {"arguments", ""}}}}})}},
+          nullptr, nullptr)));
+      out.push_back(DumpJson(DeltaJson(
+          {{"tool_calls",
+            json::array({{{"index", i}, {"function", {{"arguments", c.arguments()}}}}})}},
+          nullptr, nullptr)));
+    }
+    if (!parsed.calls.empty() && last.finish_reason() == v1::FINISH_REASON_STOP) {
+      finish = "tool_calls";
+    }
+  }
+  json finish_chunk = ChunkBase();
+  finish_chunk["choices"].push_back({{"index", 0},
                                {"delta", json::object()},
                                {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonName(last.finish_reason())}});
-  finish["x_vlm"] =
+                               {"finish_reason", finish}});
+  finish_chunk["x_vlm"] =
       Extras(last.request_id(), last.usage(), last.timings(), last.images(), last.language());
-  out.push_back(DumpJson(finish));
+  out.push_back(DumpJson(finish_chunk));
   if (include_usage_) {
     json usage = ChunkBase();
     usage["usage"] = UsageJson(last.usage());
@@ -665,7 +980,23 @@ std::vector<std::string> ChunkFormatter::FinalChunks(const v1::ChatChunk& last) 
   return out;
 }
 
+std::string ChunkFormatter::CallIdPrefix() const {
+  std::string id = id_;
+  if (absl::StartsWith(id, "chatcmpl-")) id = id.substr(9);
+  return absl::StrCat("call_", id, "_");
+}
+
 std::string ChunkFormatter::Completion(const v1::ChatResponse& r) const {
+  json message = {{"role", "assistant"}, {"content", r.text()}, {"refusal", nullptr}};
+  std::string finish = FinishReasonName(r.finish_reason());
+  if (tool_calls_) {
+    ParsedToolCalls parsed = ParseToolCallText(r.text(), CallIdPrefix());
+    if (!parsed.calls.empty()) {
+      message["content"] = parsed.content.empty() ? json() : json(parsed.content);
+      message["tool_calls"] = ToolCallsJson(parsed.calls);
+      if (r.finish_reason() == v1::FINISH_REASON_STOP) finish = "tool_calls";
+    }
+  }
   json completion = {
       {"id", id_},
       {"object", "chat.completion"},
@@ -673,10 +1004,9 @@ std::string ChunkFormatter::Completion(const v1::ChatResponse& r) const {
       {"model", model_},
       {"choices",
        json::array({{{"index", 0},
-                     {"message",
-                      {{"role", "assistant"}, {"content", r.text()}, {"refusal", nullptr}}},
+                     {"message", std::move(message)},
                      {"logprobs", logprobs_ ? LogprobsJson(r.logprobs()) : json()},
-                     {"finish_reason", FinishReasonName(r.finish_reason())}}})},
+                     {"finish_reason", finish}}})},
       {"usage", UsageJson(r.usage())},
       {"x_vlm", Extras(r.request_id(), r.usage(), r.timings(), r.images(), r.language())}};
   return DumpJson(completion);

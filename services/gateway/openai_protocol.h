@@ -69,6 +69,9 @@ struct OpenAiChatRequest {
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool logprobs = false;
+  // Tools offered with tool_choice other than none: the answer's
+  // <tool_call> blocks become message.tool_calls (ChunkFormatter).
+  bool tool_calls = false;
   std::vector<RemoteImage> remote_images;
 };
 
@@ -93,6 +96,18 @@ class ChunkFormatter {
 
   const std::string& id() const { return id_; }
 
+  // Tool calls (OpenAiChatRequest::tool_calls): the model writes each call as
+  // <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (Qwen3's
+  // format). Text before the first block is the message content; the blocks
+  // become message.tool_calls (id "call_<completion>_<i>", function.name,
+  // function.arguments as a JSON string) and finish_reason "tool_calls".
+  // Streamed: content deltas go out as they come, except text that may be
+  // the start of a block; once a block starts the rest is held and the calls
+  // are sent at the end as OpenAI streams them (a delta naming each call with
+  // empty arguments, then one with its arguments). Text whose blocks do not
+  // parse as calls stays content.
+  void set_tool_calls(bool on) { tool_calls_ = on; }
+
   // chat.completion.chunk objects (JSON text, without SSE framing), in order:
   std::string RoleChunk() const;                          // delta {role, content ""}
   std::string DeltaChunk(const v1::ChatChunk& delta) const;  // delta {content} (+ logprobs)
@@ -106,13 +121,31 @@ class ChunkFormatter {
 
  private:
   nlohmann::json ChunkBase() const;
+  nlohmann::json DeltaJson(const nlohmann::json& delta,
+                           const google::protobuf::RepeatedPtrField<v1::TokenLogprob>* logprobs,
+                           const char* finish_reason) const;
+  // Text released as content so far from `text` (streaming, tool-call mode).
+  std::string ReleaseContent(const std::string& text) const;
+  std::string CallIdPrefix() const;  // "call_<completion id>_"
 
   const std::string id_;
   const int64_t created_;
   const std::string model_;
   const bool logprobs_;
   const bool include_usage_;
+  bool tool_calls_ = false;
+  // Streaming in tool-call mode (one thread uses a formatter): all text so
+  // far and how much of it went out as content.
+  mutable std::string streamed_;
+  mutable size_t released_ = 0;
 };
+
+// A completion's text split into content and tool calls (tool-call mode).
+struct ParsedToolCalls {
+  std::string content;             // text before the first block (trailing whitespace dropped)
+  std::vector<v1::ToolCall> calls;  // empty: no (valid) block, all text is content
+};
+ParsedToolCalls ParseToolCallText(const std::string& text, const std::string& id_prefix);
 
 // Pieces shared with the non-streaming path; exposed for tests.
 nlohmann::json UsageJson(const v1::Usage& usage);

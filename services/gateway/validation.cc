@@ -127,9 +127,13 @@ absl::Status ValidateChatRequest(const v1::ChatRequest& request, const Validatio
   for (int m = 0; m < request.messages_size(); ++m) {
     const v1::ChatMessage& message = request.messages(m);
     const std::string where = absl::StrCat("messages[", m, "]");
-    if (message.role() != "system" && message.role() != "user" && message.role() != "assistant") {
+    if (message.role() != "system" && message.role() != "user" && message.role() != "assistant" &&
+        message.role() != "tool") {
       return Invalid(absl::StrCat(where, ".role is \"", message.role(),
-                                  "\"; must be \"system\", \"user\" or \"assistant\""));
+                                  "\"; must be \"system\", \"user\", \"assistant\" or \"tool\""));
+    }
+    for (const v1::ToolCall& call : message.tool_calls()) {
+      text_bytes += static_cast<int64_t>(call.name().size() + call.arguments().size());
     }
     if (message.role() == "system" && m != 0) {
       return Invalid(absl::StrCat(where, " is a system message; only the first message may be one"));
@@ -194,6 +198,13 @@ absl::Status ValidateChatRequest(const v1::ChatRequest& request, const Validatio
 
   const v1::GenerationParams& params = request.params();
   for (const std::string& stop : params.stop()) text_bytes += static_cast<int64_t>(stop.size());
+  // Schemas and tools are compiled by the language service; their size counts
+  // as text.
+  text_bytes += static_cast<int64_t>(params.json_schema().size() + params.regex().size());
+  for (const v1::Tool& tool : request.tools()) {
+    text_bytes += static_cast<int64_t>(tool.name().size() + tool.description().size() +
+                                       tool.parameters().size());
+  }
   if (text_bytes > limits.max_text_bytes) {
     return Invalid(absl::StrCat("text is ", text_bytes, " bytes; max_text_bytes is ",
                                 limits.max_text_bytes));

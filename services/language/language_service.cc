@@ -16,6 +16,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -26,6 +27,8 @@
 #include "common/model_fingerprint.h"
 #include "common/tensor_codec.h"
 #include "common/time_util.h"
+#include "nlohmann/json.hpp"
+#include "services/language/grammar/tokenizer_vocabulary.h"
 #include "services/language/sampling/stop_strings.h"
 #include "services/language/text/utf8.h"
 
@@ -41,6 +44,22 @@ bool DeadlinePassed(const grpc::ServerContext* context) {
 
 absl::Status Invalid(const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(field, " ", what));
+}
+
+// OpenAI's rule for function names: 1 to 64 of a-z, A-Z, 0-9, '_', '-'
+// (they are spliced into the prompt and the tool-call grammar verbatim).
+absl::Status ValidateToolName(const std::string& name) {
+  if (name.empty() || name.size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("must be 1 to 64 characters; got ", name.size()));
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("\"", name, "\" may hold only a-z, A-Z, 0-9, '_' and '-'"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 v1::FinishReason ToProto(FinishReason reason) {
@@ -343,6 +362,14 @@ absl::Status LanguageService::Load() {
   tokenizer_thread.join();
   if (!tokenizer.ok()) return tokenizer.status();
   tokenizer_ = *std::move(tokenizer);
+  {
+    LoadPhaseTimer timer("language_grammar_vocabulary");
+    absl::StatusOr<std::shared_ptr<const grammar::Vocabulary>> vocab =
+        grammar::VocabularyFromTokenizer(*tokenizer_);
+    if (!vocab.ok()) return vocab.status();
+    constexpr size_t kGrammarCacheEntries = 64;
+    grammars_ = std::make_unique<grammar::GrammarCache>(*std::move(vocab), kGrammarCacheEntries);
+  }
 
   GenerationStateConfig generator_config;
   for (int64_t id : generation_config_.eos_token_ids) {
@@ -407,12 +434,25 @@ absl::StatusOr<LanguageService::Prepared> LanguageService::Prepare(
   for (int i = 0; i < request.messages_size(); ++i) {
     const v1::LanguageMessage& m = request.messages(i);
     const std::string field = absl::StrCat("messages[", i, "]");
-    if (m.role() != "system" && m.role() != "user" && m.role() != "assistant") {
+    if (m.role() != "system" && m.role() != "user" && m.role() != "assistant" &&
+        m.role() != "tool") {
       return Invalid(field + ".role", absl::StrCat("is \"", m.role(),
-                                                   "\"; expected system, user or assistant"));
+                                                   "\"; expected system, user, assistant or tool"));
     }
     ChatMessage message;
     message.role = m.role();
+    if (m.tool_calls_size() > 0 && m.role() != "assistant") {
+      return Invalid(field + ".tool_calls", "are allowed on assistant messages only");
+    }
+    for (int c = 0; c < m.tool_calls_size(); ++c) {
+      const v1::ToolCall& call = m.tool_calls(c);
+      const std::string where = absl::StrCat(field, ".tool_calls[", c, "]");
+      if (call.name().empty()) return Invalid(where + ".name", "is empty");
+      if (nlohmann::json::parse(call.arguments(), nullptr, false).is_discarded()) {
+        return Invalid(where + ".arguments", "is not JSON text");
+      }
+      message.tool_calls.push_back(ChatToolCall{call.name(), call.arguments()});
+    }
     for (int j = 0; j < m.content_size(); ++j) {
       const v1::LanguageContentPart& part = m.content(j);
       const std::string part_field = absl::StrCat(field, ".content[", j, "]");
@@ -475,6 +515,21 @@ absl::StatusOr<LanguageService::Prepared> LanguageService::Prepare(
   }
   ChatTemplateOptions template_options;
   template_options.add_generation_prompt = request.add_generation_prompt();
+  for (int t = 0; t < request.tools_size(); ++t) {
+    const v1::Tool& tool = request.tools(t);
+    const std::string where = absl::StrCat("tools[", t, "]");
+    if (absl::Status s = ValidateToolName(tool.name()); !s.ok()) {
+      return Invalid(where + ".name", std::string(s.message()));
+    }
+    for (int u = 0; u < t; ++u) {
+      if (request.tools(u).name() == tool.name()) {
+        return Invalid(where + ".name", absl::StrCat("\"", tool.name(), "\" repeats tools[", u, "]"));
+      }
+    }
+    absl::StatusOr<std::string> json = ToolJson(tool.name(), tool.description(), tool.parameters());
+    if (!json.ok()) return Invalid(where + ".parameters", std::string(json.status().message()));
+    template_options.tools.push_back(*std::move(json));
+  }
   absl::StatusOr<Prompt> prompt = BuildPrompt(*tokenizer_, messages, template_options, merge);
   if (!prompt.ok()) return prompt.status();
   out.prompt = *std::move(prompt);
@@ -527,6 +582,116 @@ absl::Status LanguageService::ResolveParams(const v1::GenerationParams& params,
   out->logprobs = params.logprobs() || params.top_logprobs() > 0;
   out->top_logprobs = params.top_logprobs();
   out->include_special_tokens = params.include_special_tokens();
+  return absl::OkStatus();
+}
+
+absl::Status LanguageService::ResolveConstraint(const v1::GenerateRequest& request,
+                                                GenerationRequest* out) const {
+  const v1::GenerationParams& params = request.params();
+  const v1::ToolChoice& choice = request.tool_choice();
+  const bool tool_constrained = choice.mode() == v1::TOOL_CHOICE_REQUIRED ||
+                                choice.mode() == v1::TOOL_CHOICE_FUNCTION;
+  if (choice.mode() != v1::TOOL_CHOICE_AUTO && choice.mode() != v1::TOOL_CHOICE_NONE &&
+      !tool_constrained) {
+    return Invalid("tool_choice.mode", absl::StrCat("is ", static_cast<int>(choice.mode()),
+                                                    ", not a ToolChoiceMode"));
+  }
+  if (tool_constrained && request.tools_size() == 0) {
+    return Invalid("tool_choice", "requires tools: none were given");
+  }
+  if (choice.mode() != v1::TOOL_CHOICE_FUNCTION && !choice.function().empty()) {
+    return Invalid("tool_choice.function", "is set but tool_choice.mode is not FUNCTION");
+  }
+  if (tool_constrained && params.constraint_case() != v1::GenerationParams::CONSTRAINT_NOT_SET) {
+    return Invalid("params.constraint",
+                   "cannot be combined with tool_choice required or a named function");
+  }
+  // What to compile, and the field an error names.
+  grammar::GrammarKind kind;
+  std::string text, field;
+  if (tool_constrained) {
+    // One call: {"name": <a tool's name>, "arguments": <its parameters>}
+    // between the tool-call tags, for the chosen tool or any of them. Each
+    // tool's schema is compiled alone first so that an error names it.
+    // Ordered: "name" before "arguments" as the model writes calls, and the
+    // tool's properties in its own order.
+    nlohmann::ordered_json options = nlohmann::ordered_json::array();
+    bool found = false;
+    for (int t = 0; t < request.tools_size(); ++t) {
+      const v1::Tool& tool = request.tools(t);
+      if (choice.mode() == v1::TOOL_CHOICE_FUNCTION && tool.name() != choice.function()) continue;
+      found = true;
+      nlohmann::ordered_json arguments =
+          tool.parameters().empty()
+              ? nlohmann::ordered_json{{"type", "object"}}
+              : nlohmann::ordered_json::parse(tool.parameters(), nullptr, false);
+      nlohmann::ordered_json properties = nlohmann::ordered_json::object();
+      properties["name"] = {{"const", tool.name()}};
+      properties["arguments"] = std::move(arguments);
+      nlohmann::ordered_json call = nlohmann::ordered_json::object();
+      call["type"] = "object";
+      call["properties"] = std::move(properties);
+      call["required"] = {"name", "arguments"};
+      const std::string where = absl::StrCat("tools[", t, "].parameters");
+      absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> alone =
+          grammars_->Get(grammar::GrammarKind::kToolCall, call.dump());
+      if (!alone.ok()) {
+        return Invalid(where, absl::StrCat(absl::IsResourceExhausted(alone.status())
+                                               ? "is too expensive to compile: "
+                                               : "is not a supported schema: ",
+                                           alone.status().message()));
+      }
+      options.push_back(std::move(call));
+    }
+    if (!found) {
+      return Invalid("tool_choice.function",
+                     absl::StrCat("is \"", choice.function(), "\", which is not among tools"));
+    }
+    kind = grammar::GrammarKind::kToolCall;
+    text = options.size() == 1 ? options[0].dump()
+                               : nlohmann::ordered_json{{"anyOf", options}}.dump();
+    field = choice.mode() == v1::TOOL_CHOICE_FUNCTION ? "tool_choice" : "tools";
+  } else {
+    switch (params.constraint_case()) {
+      case v1::GenerationParams::kJsonSchema:
+        kind = grammar::GrammarKind::kJsonSchema;
+        text = params.json_schema();
+        field = "params.json_schema";
+        break;
+      case v1::GenerationParams::kJsonObject:
+        if (!params.json_object()) return absl::OkStatus();
+        kind = grammar::GrammarKind::kJsonObject;
+        field = "params.json_object";
+        break;
+      case v1::GenerationParams::kRegex:
+        kind = grammar::GrammarKind::kRegex;
+        text = params.regex();
+        field = "params.regex";
+        break;
+      default:
+        return absl::OkStatus();
+    }
+  }
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> compiled =
+      grammars_->Get(kind, text);
+  if (!compiled.ok()) {
+    return Invalid(field, absl::StrCat(absl::IsResourceExhausted(compiled.status())
+                                           ? "is too expensive to compile: "
+                                           : kind == grammar::GrammarKind::kRegex
+                                               ? "is not a supported regular expression: "
+                                               : "is not a supported schema: ",
+                                       compiled.status().message()));
+  }
+  // Every token holds at least one byte, so max_tokens of at least the
+  // shortest output's bytes plus the stop token always fits a valid output.
+  const int64_t shortest = (*compiled)->grammar().MinOutputBytes();
+  if (shortest + 1 > out->max_tokens) {
+    return Invalid(field, absl::StrCat("has a shortest valid output of ", shortest,
+                                       " bytes; with the stop token that needs max_tokens >= ",
+                                       shortest + 1, " (one token may be one byte), got ",
+                                       out->max_tokens));
+  }
+  out->grammar = *std::move(compiled);
   return absl::OkStatus();
 }
 
@@ -642,6 +807,7 @@ grpc::Status LanguageService::RunGenerate(
   if (absl::Status s = ResolveParams(request.params(), prompt_tokens, &gen); !s.ok()) {
     return ToGrpcStatus(s);
   }
+  if (absl::Status s = ResolveConstraint(request, &gen); !s.ok()) return ToGrpcStatus(s);
   gen.prompt_ids = std::move(prepared->prompt.ids);
   gen.images = std::move(prepared->images);
   submit.image_keys = std::move(prepared->image_keys);
@@ -732,6 +898,7 @@ grpc::Status LanguageService::RunGenerate(
            {"prefill_ms", result.prefill_ms},
            {"first_token_ms", first_token_ms},
            {"decode_ms", result.decode_ms},
+           {"grammar_ms", result.grammar_ms},
            {"total_ms", total_ms}});
 
   if (result.finish == FinishReason::kCancelled) {

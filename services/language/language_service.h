@@ -7,6 +7,11 @@
 // reason, usage (cached_prompt_tokens: prompt tokens reused from the prefix
 // cache) and timings. CountTokens renders and counts without generating.
 //
+// Structured output (params.constraint, tools / tool_choice): the grammar is
+// compiled once per distinct text (an LRU of compiled grammars whose token
+// mask caches keep warming across requests) before the request reaches the
+// engine; every decode step of the sequence then samples only allowed tokens.
+//
 // Admission (Engine::Submit): at most `max_sequences` sequences run in one
 // batch and at most `max_queue` more are admitted; beyond that
 // RESOURCE_EXHAUSTED, as for a prompt + max_tokens that cannot fit the KV
@@ -54,6 +59,7 @@
 #include "services/language/model/decoder.h"
 #include "services/language/engine/engine.h"
 #include "services/language/engine/generation_state.h"
+#include "services/language/grammar/grammar_cache.h"
 #include "services/language/model/projector.h"
 #include "services/language/text/tokenizer.h"
 #include "vlm/v1/language.grpc.pb.h"
@@ -117,6 +123,11 @@ class LanguageService final : public v1::Language::Service {
   absl::StatusOr<Prepared> Prepare(const v1::GenerateRequest& request, bool with_features) const;
   absl::Status ResolveParams(const v1::GenerationParams& params, int64_t prompt_tokens,
                              GenerationRequest* out) const;
+  // Structured output: the grammar of params.constraint or of a required /
+  // named tool call, compiled (or found in the cache) into out->grammar.
+  // INVALID_ARGUMENT naming the field for a bad, unsupported or too large
+  // schema, and for one whose shortest output cannot fit out->max_tokens.
+  absl::Status ResolveConstraint(const v1::GenerateRequest& request, GenerationRequest* out) const;
   using RawStream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
   grpc::Status GenerateRaw(grpc::ServerContext* context, RawStream* stream);
   grpc::Status CountTokensRaw(grpc::ServerContext* context, RawStream* stream);
@@ -139,6 +150,7 @@ class LanguageService final : public v1::Language::Service {
   std::unique_ptr<Decoder> decoder_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<Engine> engine_;
+  std::unique_ptr<grammar::GrammarCache> grammars_;  // compiled constraints, by text
   Metrics* metrics_;  // process-wide families, never destroyed
   int64_t max_context_ = 0;  // options.max_context capped by the model
   std::string fingerprint_;  // ModelFingerprintOfDir(model_dir), set by Load

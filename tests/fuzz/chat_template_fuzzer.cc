@@ -2,7 +2,8 @@
 // tokenize + image placeholder expansion) on the real Qwen3 tokenizer.
 //
 // The input is read with FuzzedDataProvider into a conversation: up to 12
-// messages with a role (one of the three, or arbitrary bytes), up to 6 parts
+// messages with a role (one of the four, or arbitrary bytes; sometimes a tool call,
+// and sometimes a tool listed), up to 6 parts
 // each (arbitrary text, or an image grid of small or arbitrary sizes; at most 8
 // images), and the
 // two template options. Properties checked when a call succeeds:
@@ -55,12 +56,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ChatTemplateOptions options;
   options.add_generation_prompt = in.ConsumeBool();
   options.add_vision_id = in.ConsumeBool();
+  if (in.ConsumeIntegralInRange<uint8_t>(0, 3) == 0) {
+    options.tools.push_back(in.ConsumeRandomLengthString(64));  // already rendered tool JSON
+  }
   std::vector<ChatMessage> messages(in.ConsumeIntegralInRange<size_t>(0, 12));
   size_t images = 0;
   for (ChatMessage& m : messages) {
-    static const char* const kRoles[] = {"system", "user", "assistant", "user"};
-    const uint8_t r = in.ConsumeIntegralInRange<uint8_t>(0, 4);
-    m.role = r < 4 ? kRoles[r] : in.ConsumeRandomLengthString(16);
+    static const char* const kRoles[] = {"system", "user", "assistant", "user", "tool"};
+    const uint8_t r = in.ConsumeIntegralInRange<uint8_t>(0, 5);
+    m.role = r < 5 ? kRoles[r] : in.ConsumeRandomLengthString(16);
+    if (in.ConsumeIntegralInRange<uint8_t>(0, 3) == 0) {
+      m.tool_calls.push_back({in.ConsumeRandomLengthString(16), in.ConsumeRandomLengthString(64)});
+    }
     const size_t parts = in.ConsumeIntegralInRange<size_t>(0, 6);
     for (size_t p = 0; p < parts; ++p) {
       // At most 8 images (the gateway's default limit) keeps a prompt of

@@ -353,6 +353,43 @@ TEST_F(LanguageServiceTest, StopStringEndsTheStreamBeforeIt) {
   EXPECT_EQ(f.last.finish_reason(), v1::FINISH_REASON_STOP);
 }
 
+// Structured output over gRPC: a JSON schema, a regex and a required tool
+// call each end with FINISH_REASON_STOP and a complete, valid output.
+TEST_F(LanguageServiceTest, ConstraintsGiveCompleteOutputs) {
+  GenerateRequest schema = TextRequest("Give me a record.", 120);
+  schema.mutable_params()->set_ignore_eos(false);
+  schema.mutable_params()->set_json_schema(R"({"type": "object", "properties": {
+      "name": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}},
+      "required": ["name", "ok"]})");
+  Streamed r = Generate(*stub_, schema);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP) << r.text;
+  EXPECT_TRUE(absl::StartsWith(r.text, "{")) << r.text;
+  EXPECT_TRUE(absl::StrContains(r.text, "\"name\"") && absl::StrContains(r.text, "\"ok\""))
+      << r.text;
+
+  GenerateRequest regex = TextRequest("A code?", 20);
+  regex.mutable_params()->set_regex("[A-Z]{2}-[0-9]{3}");
+  r = Generate(*stub_, regex);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(r.text.size(), 6u) << r.text;
+  EXPECT_EQ(r.text[2], '-') << r.text;
+
+  GenerateRequest tool = TextRequest("Look up SKU 7.", 100);
+  v1::Tool* t = tool.add_tools();
+  t->set_name("lookup_sku");
+  t->set_parameters(R"({"type": "object", "properties": {"sku": {"type": "integer",
+      "minimum": 0, "maximum": 99}}, "required": ["sku"]})");
+  tool.mutable_tool_choice()->set_mode(v1::TOOL_CHOICE_REQUIRED);
+  r = Generate(*stub_, tool);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_TRUE(absl::StartsWith(r.text, "<tool_call>\n{\"name\":")) << r.text;
+  EXPECT_TRUE(absl::StrContains(r.text, "lookup_sku")) << r.text;
+  EXPECT_TRUE(absl::EndsWith(r.text, "}\n</tool_call>")) << r.text;
+}
+
 TEST_F(LanguageServiceTest, MaxTokensAndContextEndWithLength) {
   Streamed r = Generate(*stub_, TextRequest("Hello", 3));
   ASSERT_TRUE(r.status.ok());
@@ -467,8 +504,36 @@ TEST_F(LanguageServiceTest, EveryBadInputIsInvalidArgumentNamingTheField) {
       {"empty stop string", [](GenerateRequest* r) { r->mutable_params()->add_stop(""); },
        "params.stop[0]"},
       {"empty conversation", [](GenerateRequest* r) { r->clear_messages(); }, "messages"},
-      {"unknown role", [](GenerateRequest* r) { r->mutable_messages(0)->set_role("tool"); },
+      {"unknown role", [](GenerateRequest* r) { r->mutable_messages(0)->set_role("robot"); },
        "messages[0].role"},
+      {"unsupported schema keyword",
+       [](GenerateRequest* r) { r->mutable_params()->set_json_schema(R"({"not": {}})"); },
+       "params.json_schema"},
+      {"schema that is not JSON",
+       [](GenerateRequest* r) { r->mutable_params()->set_json_schema("{"); }, "params.json_schema"},
+      {"regex with a backreference",
+       [](GenerateRequest* r) { r->mutable_params()->set_regex("(a)\\1"); }, "params.regex"},
+      {"shortest output longer than max_tokens",
+       [](GenerateRequest* r) {
+         r->mutable_params()->set_max_tokens(3);
+         r->mutable_params()->set_json_schema(R"({"const": "longer than three"})");
+       },
+       "params.json_schema"},
+      {"named tool that is not among tools",
+       [](GenerateRequest* r) {
+         r->add_tools()->set_name("f");
+         r->mutable_tool_choice()->set_mode(vlm::v1::TOOL_CHOICE_FUNCTION);
+         r->mutable_tool_choice()->set_function("g");
+       },
+       "tool_choice.function"},
+      {"tool with a bad schema",
+       [](GenerateRequest* r) {
+         vlm::v1::Tool* t = r->add_tools();
+         t->set_name("f");
+         t->set_parameters(R"({"type": "nope"})");
+         r->mutable_tool_choice()->set_mode(vlm::v1::TOOL_CHOICE_REQUIRED);
+       },
+       "tools[0].parameters"},
       {"empty part",
        [](GenerateRequest* r) { r->mutable_messages(0)->add_content(); },
        "messages[0].content[1]"},

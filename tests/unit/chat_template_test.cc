@@ -88,8 +88,10 @@ TEST(ChatTemplateTest, KeepsTheCallersOrderAndConcatenatesTextParts) {
 
 TEST(ChatTemplateTest, RejectsWhatTheApiDoesNotAccept) {
   EXPECT_THAT(RenderError({}).message(), HasSubstr("no messages"));
-  EXPECT_THAT(RenderError({{"tool", {ChatPart::Text("x")}}}).message(),
-              HasSubstr("unknown role \"tool\""));
+  EXPECT_THAT(RenderError({{"function", {ChatPart::Text("x")}}}).message(),
+              HasSubstr("unknown role \"function\""));
+  EXPECT_THAT(RenderError({{"user", {ChatPart::Text("x")}, {{"f", "{}"}}}}).message(),
+              HasSubstr("only assistant messages carry tool calls"));
   EXPECT_THAT(RenderError({User({ChatPart::Text("a")}), System("late")}).message(),
               HasSubstr("messages[1]: a system message must be the first"));
   EXPECT_THAT(RenderError({User({ChatPart::Text("a")}),
@@ -109,6 +111,50 @@ TEST(ChatTemplateTest, RejectsWhatTheApiDoesNotAccept) {
   for (const absl::Status& s : {RenderError({}), RenderError({{"bot", {}}})}) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   }
+}
+
+// Qwen3's tool format, written out from the model's Jinja template: tools in
+// the system turn (tojson: ", " and ": " separators, keys in order), an
+// assistant call without text, and a run of two tool results as one user turn.
+TEST(ChatTemplateTest, ToolsCallsAndResultsInQwen3Format) {
+  absl::StatusOr<std::string> tool = ToolJson(
+      "get_weather", "Weather in a city",
+      R"({"type":"object","properties":{"city":{"type":"string"}},"required":["city"]})");
+  ASSERT_TRUE(tool.ok()) << tool.status();
+  EXPECT_EQ(*tool,
+            R"({"type": "function", "function": {"name": "get_weather", "description": )"
+            R"("Weather in a city", "parameters": {"type": "object", "properties": {"city": )"
+            R"({"type": "string"}}, "required": ["city"]}}})");
+  ChatTemplateOptions options;
+  options.tools = {*tool};
+  ChatMessage call{"assistant", {}, {{"get_weather", R"({"city": "Paris"})"}}};
+  const std::string rendered =
+      Render({System("Be brief."), User({ChatPart::Text("Weather in Paris?")}), call,
+              {"tool", {ChatPart::Text("18 C")}}, {"tool", {ChatPart::Text("sunny")}}},
+             options);
+  EXPECT_EQ(rendered,
+            "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to "
+            "assist with the user query.\n\nYou are provided with function signatures within "
+            "<tools></tools> XML tags:\n<tools>\n" + *tool +
+            "\n</tools>\n\nFor each function call, return a json object with function name and "
+            "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+            "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+            "{\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n"
+            "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\nsunny\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\n");
+  // Without a system message the tools get a system turn of their own; text
+  // before a call is separated from it by a newline.
+  ChatMessage both{"assistant", {ChatPart::Text("Checking.")}, {{"f", "{}"}, {"f", "{}"}}};
+  ChatTemplateOptions no_prompt = options;
+  no_prompt.add_generation_prompt = false;
+  const std::string second = Render({User({ChatPart::Text("q")}), both}, no_prompt);
+  EXPECT_EQ(second.rfind("<|im_start|>system\n# Tools", 0), 0u) << second;
+  EXPECT_THAT(second, HasSubstr("<|im_start|>assistant\nChecking.\n<tool_call>\n{\"name\": \"f\", "
+                                "\"arguments\": {}}\n</tool_call>\n<tool_call>\n"));
+  EXPECT_FALSE(ToolJson("f", "", "[1]").ok());
+  EXPECT_EQ(*ToolJson("f", "", ""), R"({"type": "function", "function": {"name": "f"}})");
 }
 
 TEST(ChatTemplateTest, ImageTokenCountIsGridOverMergeSquared) {

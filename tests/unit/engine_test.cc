@@ -26,6 +26,9 @@
 #include "absl/time/clock.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "nlohmann/json.hpp"
+#include "services/language/grammar/grammar_cache.h"
+#include "services/language/grammar/tokenizer_vocabulary.h"
 #include "services/language/model/decoder.h"
 #include "services/language/model/projector.h"
 #include "tests/unit/decoder_test_util.h"
@@ -398,6 +401,51 @@ TEST_F(EngineTest, SmallCachePreemptsTheNewestAndEveryStreamStaysContinuous) {
   EXPECT_GT(stats.preemptions, 0);
   EXPECT_EQ(stats.blocks_used, 0);
   EXPECT_EQ(stats.blocks_free, 24);
+}
+
+// Structured output under preemption: each sequence's grammar matcher lives
+// in its generation state, which a preemption keeps while the KV is
+// recomputed; so constrained streams are the same as alone and complete.
+TEST_F(EngineTest, ConstrainedSequencesSurvivePreemptionAndMatchTheirAloneRuns) {
+  auto vocab = grammar::VocabularyFromTokenizer(*tokenizer_);
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  grammar::GrammarCache cache(*vocab, 4);
+  auto compiled = cache.Get(grammar::GrammarKind::kJsonSchema, R"({"type": "object",
+      "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+      "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3}},
+      "required": ["id", "tags"]})");
+  ASSERT_TRUE(compiled.ok()) << compiled.status();
+  std::vector<EngineRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    EngineRequest r = Request(40, i % 2 ? 0.8f : 0.0f, 70 + i);
+    r.generation.ignore_eos = false;
+    r.generation.grammar = *compiled;
+    AddText(&r, Text(30 + i, 20 + i));
+    requests.push_back(std::move(r));
+  }
+  auto make = [] {
+    EngineOptions o = Options(/*num_blocks=*/24, /*block_size=*/4, /*prefix=*/false);
+    o.reserve_max_tokens = false;  // admit on the prefill alone, so growth must preempt
+    o.eos_ids = {151645, 151643};
+    return Fake(o, 1);
+  };
+  std::vector<Outcome> alone;
+  for (const EngineRequest& r : requests) alone.push_back(make().Run(r));
+  Harness h = make();
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (const EngineRequest& r : requests) {
+    auto s = h.engine->Submit(r);
+    ASSERT_TRUE(s.ok()) << s.status();
+    streams.push_back(*s);
+  }
+  for (size_t i = 0; i < streams.size(); ++i) {
+    const Outcome got = Collect(*streams[i]);
+    ExpectSame(got, alone[i], "request " + std::to_string(i));
+    EXPECT_EQ(got.result.finish_detail, "grammar complete") << got.text;
+    const nlohmann::json v = nlohmann::json::parse(got.text, nullptr, false);
+    EXPECT_TRUE(v.is_object() && v["id"].is_number_integer() && v["tags"].is_array()) << got.text;
+  }
+  EXPECT_GT(h.engine->Stats().preemptions, 0);
 }
 
 TEST_F(EngineTest, ReservationsRunWhatFitsToMaxTokensAndNeverPreempt) {

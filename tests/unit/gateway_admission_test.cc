@@ -203,7 +203,7 @@ TEST(ValidationTest, ConversationShape) {
 
   r = TextRequest("hi");
   r.mutable_messages(0)->set_role("robot");
-  EXPECT_EQ(Message(r), "messages[0].role is \"robot\"; must be \"system\", \"user\" or \"assistant\"");
+  EXPECT_EQ(Message(r), "messages[0].role is \"robot\"; must be \"system\", \"user\", \"assistant\" or \"tool\"");
 
   r = TextRequest("hi");
   auto* sys = r.add_messages();

@@ -2,6 +2,7 @@
 // request parsing (every field, null as absent, errors naming `param`), the
 // status table, the renaming of validation messages, chunk/completion JSON,
 // and API keys.
+#include <map>
 #include "services/gateway/openai_protocol.h"
 
 #include <gtest/gtest.h>
@@ -177,8 +178,19 @@ TEST(OpenAiRequestTest, ErrorsNameTheParameter) {
       {with("stop", json::array({"a", 3})), "stop[1]", grpc::StatusCode::INVALID_ARGUMENT},
       {with("top_logprobs", 2), "top_logprobs", grpc::StatusCode::INVALID_ARGUMENT},
       {with("n", 2), "n", grpc::StatusCode::INVALID_ARGUMENT},
-      {with("tools", json::array({{{"type", "function"}}})), "tools",
+      {with("tools", json::array({{{"type", "function"}}})), "tools[0].function",
        grpc::StatusCode::INVALID_ARGUMENT},
+      {with("tools", json::array({{{"type", "x"}}})), "tools[0].type",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {with("tool_choice", "required"), "tool_choice", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("functions", json::array({{{"name", "f"}}})), "functions",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {with("response_format", {{"type", "xml"}}), "response_format.type",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {with("response_format", {{"type", "json_schema"}}), "response_format.json_schema",
+       grpc::StatusCode::INVALID_ARGUMENT},
+      {with("response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "x"}}}}),
+       "response_format.json_schema.schema", grpc::StatusCode::INVALID_ARGUMENT},
       {with("stream_options", {{"include_usage", true}}), "stream_options",
        grpc::StatusCode::INVALID_ARGUMENT},
       {with("model", "gpt-4o"), "model", grpc::StatusCode::NOT_FOUND},
@@ -210,6 +222,144 @@ TEST(OpenAiRequestTest, ErrorsNameTheParameter) {
   ASSERT_TRUE(e.has_value());
   EXPECT_EQ(e->error_code, "invalid_json");
   EXPECT_EQ(e->param, "");
+}
+
+TEST(OpenAiRequestTest, ResponseFormatToolsAndToolHistoryReachTheChatRequest) {
+  // The schema keeps the client's key order (output property order).
+  const std::string text = R"({"model": "tiny", "messages": [
+      {"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+    "response_format": {"type": "json_schema", "json_schema": {"name": "w", "strict": true,
+      "schema": {"type": "object", "properties": {"zeta": {"type": "string"},
+                 "alpha": {"type": "integer"}}}}},
+    "tools": [{"type": "function", "function": {"name": "get_weather", "description": "d",
+      "parameters": {"type": "object", "properties": {"z": {}, "a": {}}}}}],
+    "tool_choice": "auto"})";
+  OpenAiChatRequest out;
+  ASSERT_EQ(ParseChatCompletionRequest(text, Options(), &out), std::nullopt);
+  const v1::ChatRequest& r = out.request;
+  EXPECT_EQ(r.params().json_schema(),
+            R"({"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}}})");
+  ASSERT_EQ(r.tools_size(), 1);
+  EXPECT_EQ(r.tools(0).name(), "get_weather");
+  EXPECT_EQ(r.tools(0).parameters(), R"({"type":"object","properties":{"z":{},"a":{}}})");
+  EXPECT_EQ(r.tool_choice().mode(), v1::TOOL_CHOICE_AUTO);
+  EXPECT_TRUE(out.tool_calls);
+  ASSERT_EQ(r.messages_size(), 3);
+  ASSERT_EQ(r.messages(1).tool_calls_size(), 1);
+  EXPECT_EQ(r.messages(1).tool_calls(0).name(), "get_weather");
+  EXPECT_EQ(r.messages(1).tool_calls(0).arguments(), R"({"city": "Paris"})");
+  EXPECT_EQ(r.messages(1).content_size(), 0);
+  EXPECT_EQ(r.messages(2).role(), "tool");
+  EXPECT_EQ(r.messages(2).tool_call_id(), "call_1");
+
+  json named = Body();
+  named["tools"] = json::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+  named["tool_choice"] = {{"type", "function"}, {"function", {{"name", "f"}}}};
+  OpenAiChatRequest n;
+  ASSERT_EQ(Parse(named, &n), std::nullopt);
+  EXPECT_EQ(n.request.tool_choice().mode(), v1::TOOL_CHOICE_FUNCTION);
+  EXPECT_EQ(n.request.tool_choice().function(), "f");
+  named["response_format"] = {{"type", "json_object"}};
+  OpenAiChatRequest both;
+  std::optional<ApiError> e = Parse(named, &both);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->param, "response_format");
+  json object = Body();
+  object["response_format"] = {{"type", "json_object"}};
+  OpenAiChatRequest o;
+  ASSERT_EQ(Parse(object, &o), std::nullopt);
+  EXPECT_TRUE(o.request.params().json_object());
+  EXPECT_FALSE(o.tool_calls);
+}
+
+TEST(OpenAiErrorTest, SchemaErrorsFromTheLanguageServiceNameResponseFormatOrTheTool) {
+  ApiError e = ApiErrorFromStatus(grpc::Status(
+      grpc::StatusCode::INVALID_ARGUMENT,
+      "params.json_schema is not a supported schema: unsupported keyword \"if\" at #"));
+  EXPECT_EQ(e.param, "response_format");
+  EXPECT_EQ(e.message.rfind("response_format is not a supported schema", 0), 0u) << e.message;
+  e = ApiErrorFromStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      "tools[1].parameters is not a supported schema: x"));
+  EXPECT_EQ(e.param, "tools[1].parameters");
+}
+
+TEST(OpenAiResponseTest, ToolCallBlocksBecomeToolCallsPlainAndStreamed) {
+  const std::string text =
+      "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+      "{\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"f\", \"arguments\": "
+      "{}}\n</tool_call>";
+  ChunkFormatter format("chatcmpl-abc", 1, "tiny", false, false);
+  format.set_tool_calls(true);
+  v1::ChatResponse response;
+  response.set_text(text);
+  response.set_finish_reason(v1::FINISH_REASON_STOP);
+  const json c = json::parse(format.Completion(response));
+  const json& choice = c["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls");
+  EXPECT_EQ(choice["message"]["content"], "Let me check.");
+  ASSERT_EQ(choice["message"]["tool_calls"].size(), 2u);
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["id"], "call_abc_0");
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(json::parse(choice["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            json::parse(R"({"city": "Paris"})"));
+
+  // Streamed in small pieces: content comes out before the first block, the
+  // calls at the end, and the deltas add up to the same message.
+  ChunkFormatter stream("chatcmpl-abc", 1, "tiny", false, false);
+  stream.set_tool_calls(true);
+  std::string content;
+  std::map<int, json> calls;
+  auto take = [&](const std::string& chunk) {
+    const json j = json::parse(chunk);
+    if (j["choices"].empty()) return;
+    const json& delta = j["choices"][0]["delta"];
+    if (delta.contains("content")) content += delta["content"].get<std::string>();
+    if (delta.contains("tool_calls")) {
+      for (const json& t : delta["tool_calls"]) {
+        json& call = calls[t["index"].get<int>()];
+        if (t.contains("id")) call["id"] = t["id"];
+        if (t["function"].contains("name")) call["name"] = t["function"]["name"];
+        call["arguments"] = call.value("arguments", "") + t["function"]["arguments"].get<std::string>();
+      }
+    }
+  };
+  for (size_t i = 0; i + 3 < text.size(); i += 3) {
+    v1::ChatChunk piece;
+    piece.set_text(text.substr(i, 3));
+    take(stream.DeltaChunk(piece));
+    EXPECT_EQ(content, text.substr(0, content.size()));
+  }
+  v1::ChatChunk last;
+  last.set_text(text.substr(text.size() - (text.size() % 3 == 0 ? 3 : text.size() % 3)));
+  last.set_finish_reason(v1::FINISH_REASON_STOP);
+  std::string finish;
+  for (const std::string& chunk : stream.FinalChunks(last)) {
+    take(chunk);
+    const json j = json::parse(chunk);
+    if (!j["choices"].empty() && j["choices"][0]["finish_reason"].is_string()) {
+      finish = j["choices"][0]["finish_reason"];
+    }
+  }
+  EXPECT_EQ(content, "Let me check.");
+  EXPECT_EQ(finish, "tool_calls");
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[0]["name"], "get_weather");
+  EXPECT_EQ(calls[0]["id"], "call_abc_0");
+  EXPECT_EQ(json::parse(calls[0]["arguments"].get<std::string>()), json::parse(R"({"city": "Paris"})"));
+  EXPECT_EQ(calls[1]["name"], "f");
+
+  // Text that only looks like a call stays content.
+  ChunkFormatter plain("chatcmpl-x", 1, "tiny", false, false);
+  plain.set_tool_calls(true);
+  response.set_text("a <tool_call> b");
+  const json p = json::parse(plain.Completion(response));
+  EXPECT_EQ(p["choices"][0]["message"]["content"], "a <tool_call> b");
+  EXPECT_EQ(p["choices"][0]["finish_reason"], "stop");
+  EXPECT_FALSE(p["choices"][0]["message"].contains("tool_calls"));
 }
 
 TEST(OpenAiRequestTest, RemoteImagesAreLeftForTheFrontEndWhenAllowed) {

@@ -231,6 +231,17 @@ async function send(event) {
   if (!state.model) await loadModel();
   if (!state.model) return;
   showError("");
+  // Advanced: a JSON schema constrains the answer (response_format json_schema).
+  let schema = null;
+  const schemaText = $("json-schema").value.trim();
+  if (schemaText) {
+    try {
+      schema = JSON.parse(schemaText);
+    } catch (e) {
+      showError("The JSON schema is not valid JSON: " + e.message);
+      return;
+    }
+  }
 
   const content = [];
   if (state.image) content.push({ type: "image_url", image_url: { url: state.image.dataUrl } });
@@ -250,6 +261,11 @@ async function send(event) {
     stream_options: { include_usage: true },
   };
   if (Number.isFinite(maxTokens) && maxTokens > 0) request.max_tokens = maxTokens;
+  if (schema !== null) {
+    request.response_format = {
+      type: "json_schema", json_schema: { name: "answer", schema, strict: true },
+    };
+  }
 
   state.controller = new AbortController();
   busy(true);

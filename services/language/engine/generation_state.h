@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/model_config.h"
+#include "services/language/grammar/matcher.h"
 #include "services/language/model/mrope.h"  // GridThw
 #include "services/language/sampling/sampler.h"
 #include "services/language/sampling/stop_strings.h"
@@ -46,6 +47,14 @@ struct GenerationRequest {
   bool logprobs = false;
   int top_logprobs = 0;              // 0..kMaxTopLogprobs
   bool include_special_tokens = false;
+  // Structured output (JSON schema, JSON mode, regex, tool call): each step
+  // samples only tokens the grammar allows, and the generation ends when the
+  // grammar is complete and a stop token is drawn (EOS is allowed only then;
+  // ignore_eos does not apply). As the tokens left run short, only tokens
+  // that keep a complete output within max_tokens are drawn, so the output
+  // is always complete (the caller checks that the shortest one fits:
+  // Grammar::MinOutputBytes() + 1 <= max_tokens). Null: unconstrained.
+  std::shared_ptr<const grammar::CompiledGrammar> grammar;
 };
 
 struct GenerationStateConfig {
@@ -88,11 +97,16 @@ struct GenerationResult {
   // the request first entered a batch.
   int64_t cached_prompt_tokens = 0;
   std::chrono::steady_clock::time_point scheduled_at{};
+  // Constrained requests: time spent filling the allowed-token masks.
+  double grammar_ms = 0;
 };
 
 // The per-sequence logic after the model: one logits row in, one chunk out.
 // Owns the sequence's sampler (seeded RNG, penalties), incremental
-// detokenizer and stop-string matcher; decides EOS / stop string / max_tokens. `request` and `tokenizer` must
+// detokenizer, stop-string matcher and grammar matcher (structured output);
+// decides EOS / grammar end / stop string / max_tokens. The state survives
+// a preemption untouched (the engine recomputes only the KV), so the grammar
+// matcher needs no replay. `request` and `tokenizer` must
 // outlive it. Not thread-safe (one sequence, one thread at a time).
 class GenerationState {
  public:
@@ -125,6 +139,8 @@ class GenerationState {
   StreamingDetokenizer detokenizer_;
   StopStringMatcher stops_;
   TokenLogprobs lp_;
+  std::unique_ptr<grammar::Matcher> matcher_;  // constrained requests only
+  std::vector<uint32_t> mask_;                 // the matcher's allowed-token bitmask
   bool stopped_by_string_ = false;
   int32_t last_token_ = -1;
   GenerationResult result_;

@@ -146,6 +146,8 @@ class GrammarCompilation {
   absl::Status CheckNoLeftRecursion() const;
   void BuildTables(Grammar* g) const;
   std::vector<int64_t> ShortestOutputs() const;
+  // Per global state: the fewest bytes to the end of its rule.
+  std::vector<int64_t> BytesToRuleEnd(const std::vector<int64_t>& rule_min) const;
 
   const GrammarBuilder& b_;
   std::vector<NState> nfa_;
@@ -363,7 +365,9 @@ absl::StatusOr<std::shared_ptr<const Grammar>> GrammarCompilation::Run(
   auto g = std::make_shared<Grammar>();
   BuildTables(g.get());
   g->root_start_ = Global(root, 0);
-  g->min_output_bytes_ = ShortestOutputs()[root];
+  const std::vector<int64_t> rule_min = ShortestOutputs();
+  g->min_output_bytes_ = rule_min[root];
+  g->to_rule_end_ = BytesToRuleEnd(rule_min);
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
@@ -621,6 +625,52 @@ std::vector<int64_t> GrammarCompilation::ShortestOutputs() const {
     }
   }
   return rule_min;
+}
+
+// Dijkstra from the final states over reversed edges (a byte costs 1, a
+// call its callee's shortest output), per rule.
+std::vector<int64_t> GrammarCompilation::BytesToRuleEnd(const std::vector<int64_t>& rule_min) const {
+  constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
+  std::vector<int64_t> out(base_.back(), kInf);
+  for (int r = 0; r < static_cast<int>(dfa_.size()); ++r) {
+    const int32_t m = static_cast<int32_t>(dfa_[r].size());
+    std::vector<std::vector<std::pair<int32_t, int64_t>>> rev(m);
+    std::vector<int32_t> seen(m, -1);
+    for (int32_t s = 0; s < m; ++s) {
+      for (int b = 0; b < 256; ++b) {
+        const int32_t t = dfa_[r][s].next[b];
+        if (t >= 0 && seen[t] != s) {
+          seen[t] = s;
+          rev[t].emplace_back(s, 1);
+        }
+      }
+      for (const auto& [callee, t] : dfa_[r][s].calls) {
+        if (rule_min[callee] < kInf) rev[t].emplace_back(s, rule_min[callee]);
+      }
+    }
+    std::vector<int64_t> dist(m, kInf);
+    using Item = std::pair<int64_t, int32_t>;
+    std::priority_queue<Item, std::vector<Item>, std::greater<Item>> pq;
+    for (int32_t s = 0; s < m; ++s) {
+      if (dfa_[r][s].final) {
+        dist[s] = 0;
+        pq.emplace(0, s);
+      }
+    }
+    while (!pq.empty()) {
+      const auto [d0, t] = pq.top();
+      pq.pop();
+      if (d0 != dist[t]) continue;
+      for (const auto& [s, w] : rev[t]) {
+        if (d0 + w < dist[s]) {
+          dist[s] = d0 + w;
+          pq.emplace(dist[s], s);
+        }
+      }
+    }
+    for (int32_t s = 0; s < m; ++s) out[Global(r, s)] = dist[s];
+  }
+  return out;
 }
 
 absl::StatusOr<std::shared_ptr<const Grammar>> GrammarBuilder::Build(RuleId root) const {

@@ -119,6 +119,10 @@ class Grammar {
   // Length in bytes of the shortest complete output (used to refuse a request
   // whose max_tokens cannot fit any valid output).
   int64_t MinOutputBytes() const { return min_output_bytes_; }
+  // Fewest bytes from `state` to the end of its rule (calls at their
+  // callees' shortest length): with a stack, the shortest completion of a
+  // configuration (Matcher::MinBytesToEnd).
+  int64_t BytesToRuleEnd(int32_t state) const { return to_rule_end_[state]; }
   // A summary for logs and tests: rules, states, byte classes.
   std::string DebugSummary() const;
 
@@ -134,6 +138,7 @@ class Grammar {
   std::vector<std::string> rule_names_;
   int32_t root_start_ = 0;
   int64_t min_output_bytes_ = 0;
+  std::vector<int64_t> to_rule_end_;
 };
 
 }  // namespace vlm::grammar

@@ -29,6 +29,9 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> GrammarCache::Get(Grammar
     case GrammarKind::kJsonValue: g = CompileJsonMode(false, format_); break;
     case GrammarKind::kJsonObject: g = CompileJsonMode(true, format_); break;
     case GrammarKind::kRegex: g = CompileRegex(text, format_.limits); break;
+    case GrammarKind::kToolCall:
+      g = CompileJsonSchemaBetween(text, kToolCallPrefix, kToolCallSuffix, format_);
+      break;
   }
   if (!g.ok()) return g.status();
   auto compiled = std::make_shared<const CompiledGrammar>(*std::move(g), vocab_);

@@ -20,13 +20,17 @@
 
 namespace vlm::grammar {
 
-enum class GrammarKind { kJsonSchema, kJsonValue, kJsonObject, kRegex };
+// kToolCall: a JSON Schema value between Qwen3's tool-call tags
+// (kToolCallPrefix + value + kToolCallSuffix).
+enum class GrammarKind { kJsonSchema, kJsonValue, kJsonObject, kRegex, kToolCall };
+inline constexpr char kToolCallPrefix[] = "<tool_call>\n";
+inline constexpr char kToolCallSuffix[] = "\n</tool_call>";
 
 class GrammarCache {
  public:
   GrammarCache(std::shared_ptr<const Vocabulary> vocab, size_t capacity, JsonFormat format = {});
 
-  // `text`: the schema (kJsonSchema) or pattern (kRegex); ignored for JSON mode.
+  // `text`: the schema (kJsonSchema, kToolCall) or pattern (kRegex); ignored for JSON mode.
   absl::StatusOr<std::shared_ptr<const CompiledGrammar>> Get(GrammarKind kind, absl::string_view text);
 
   size_t size() const;

@@ -760,6 +760,12 @@ class SchemaTranslator {
 
 absl::StatusOr<std::shared_ptr<const Grammar>> CompileJsonSchema(absl::string_view schema_json,
                                                                  const JsonFormat& format) {
+  return CompileJsonSchemaBetween(schema_json, "", "", format);
+}
+
+absl::StatusOr<std::shared_ptr<const Grammar>> CompileJsonSchemaBetween(
+    absl::string_view schema_json, absl::string_view prefix, absl::string_view suffix,
+    const JsonFormat& format) {
   if (TextNesting(schema_json) > kMaxTextNesting) {
     return absl::InvalidArgumentError(
         absl::StrCat("schema nests more than ", kMaxTextNesting, " levels"));
@@ -770,7 +776,10 @@ absl::StatusOr<std::shared_ptr<const Grammar>> CompileJsonSchema(absl::string_vi
   SchemaTranslator t(b, schema, format);
   absl::StatusOr<RuleId> root = t.Run();
   if (!root.ok()) return root.status();
-  return b.Build(*root);
+  if (prefix.empty() && suffix.empty()) return b.Build(*root);
+  const RuleId outer = b.AddRule("between");
+  b.SetRuleBody(outer, b.Seq({b.Literal(prefix), b.Call(*root), b.Literal(suffix)}));
+  return b.Build(outer);
 }
 
 absl::StatusOr<std::shared_ptr<const Grammar>> CompileJsonMode(bool object_only,

@@ -42,6 +42,12 @@ struct JsonFormat {
 absl::StatusOr<std::shared_ptr<const Grammar>> CompileJsonSchema(absl::string_view schema_json,
                                                                  const JsonFormat& format = {});
 
+// `prefix` + a JSON value valid under the schema + `suffix` (fixed text
+// around it: a tool call's tags).
+absl::StatusOr<std::shared_ptr<const Grammar>> CompileJsonSchemaBetween(
+    absl::string_view schema_json, absl::string_view prefix, absl::string_view suffix,
+    const JsonFormat& format = {});
+
 // JSON mode: any JSON value, or (object_only, OpenAI's json_object) any object.
 absl::StatusOr<std::shared_ptr<const Grammar>> CompileJsonMode(bool object_only,
                                                                const JsonFormat& format = {});

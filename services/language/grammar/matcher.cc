@@ -78,6 +78,18 @@ inline bool TestBit(const uint32_t* mask, int32_t id) { return (mask[id >> 5] >>
 
 // --- CompiledGrammar ------------------------------------------------------
 
+CompiledGrammar::CompiledGrammar(std::shared_ptr<const Grammar> grammar,
+                                 std::shared_ptr<const Vocabulary> vocab)
+    : grammar_(std::move(grammar)), vocab_(std::move(vocab)) {
+  std::fill(std::begin(byte_token_), std::end(byte_token_), -1);
+  for (int32_t id = 0; id < vocab_->size(); ++id) {
+    const std::string& t = vocab_->token(id);
+    if (t.size() == 1 && byte_token_[static_cast<uint8_t>(t[0])] < 0) {
+      byte_token_[static_cast<uint8_t>(t[0])] = id;
+    }
+  }
+}
+
 size_t CompiledGrammar::cached_states() const {
   std::lock_guard<std::mutex> lock(mu_);
   return cache_.size();
@@ -221,6 +233,51 @@ bool Matcher::AcceptToken(int32_t id) {
   }
   if (v.token(id).empty()) return false;
   return AcceptBytes(v.token(id));
+}
+
+int64_t Matcher::MinBytesToEnd(const std::vector<Config>& set) const {
+  int64_t best = std::numeric_limits<int64_t>::max();
+  for (const Config& c : set) {
+    int64_t cost = g_.BytesToRuleEnd(c.state);
+    for (int32_t f = c.frame; f >= 0 && cost < best; f = arena_[f].parent) {
+      cost += g_.BytesToRuleEnd(arena_[f].ret);
+    }
+    best = std::min(best, cost);
+  }
+  return best;
+}
+
+int64_t Matcher::MinBytesToEnd() const {
+  if (IsTerminated()) return 0;
+  return MinBytesToEnd(history_.back().set);
+}
+
+int64_t Matcher::MinBytesToEndAfter(int32_t id) {
+  const Vocabulary& v = cg_->vocab();
+  if (IsTerminated() || id < 0 || id >= v.size()) return -1;
+  if (v.is_stop(id)) return CanEnd() ? 0 : -1;
+  if (v.token(id).empty()) return -1;
+  const size_t mark = arena_.size();
+  Snapshot s;
+  if (!Feed(v.token(id), &s)) return -1;
+  const int64_t after = MinBytesToEnd(s.set);
+  arena_.resize(mark);
+  return after;
+}
+
+void Matcher::FillMaskWithinBudget(int64_t tokens_left, uint32_t* mask) {
+  const Vocabulary& v = cg_->vocab();
+  std::memset(mask, 0, sizeof(uint32_t) * v.mask_words());
+  if (IsTerminated()) return;
+  if (CanEnd()) {
+    for (int32_t id : v.stop_tokens()) SetBit(mask, id);
+  }
+  for (int b = 0; b < 256; ++b) {
+    const int32_t id = cg_->ByteToken(static_cast<uint8_t>(b));
+    if (id < 0) continue;
+    const int64_t after = MinBytesToEndAfter(id);
+    if (after >= 0 && after + 2 <= tokens_left) SetBit(mask, id);
+  }
 }
 
 bool Matcher::CanEnd() const { return !IsTerminated() && (history_.back().flags & kCanEnd) != 0; }

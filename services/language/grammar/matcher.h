@@ -31,8 +31,7 @@ namespace vlm::grammar {
 // Thread-safe: the mask cache is shared by all matchers of the grammar.
 class CompiledGrammar {
  public:
-  CompiledGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab)
-      : grammar_(std::move(grammar)), vocab_(std::move(vocab)) {}
+  CompiledGrammar(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const Vocabulary> vocab);
 
   const Grammar& grammar() const { return *grammar_; }
   const Vocabulary& vocab() const { return *vocab_; }
@@ -46,10 +45,13 @@ class CompiledGrammar {
     std::vector<int32_t> uncertain;
   };
   const StateTokens& TokensFor(int32_t state) const;
+  // The id of the token that is exactly byte b, or -1.
+  int32_t ByteToken(uint8_t b) const { return byte_token_[b]; }
 
  private:
   std::shared_ptr<const Grammar> grammar_;
   std::shared_ptr<const Vocabulary> vocab_;
+  int32_t byte_token_[256];
   mutable std::mutex mu_;
   mutable absl::flat_hash_map<int32_t, std::unique_ptr<StateTokens>> cache_;
 };
@@ -69,6 +71,17 @@ class Matcher {
   void FillMask(uint32_t* mask);
   // True if the output so far is complete (a stop token is allowed).
   bool CanEnd() const;
+  // Bytes of the shortest completion from here (0 when CanEnd()).
+  int64_t MinBytesToEnd() const;
+  // MinBytesToEnd() after token `id`, without consuming it; -1 if `id` is
+  // not allowed (0 for an allowed stop token).
+  int64_t MinBytesToEndAfter(int32_t id);
+  // Budget enforcement: the allowed tokens after which a complete output
+  // still fits in `tokens_left` - 1 more tokens (one byte each, plus the
+  // stop token): the stop token when CanEnd(), and the single-byte tokens on
+  // such a path. Never empty while MinBytesToEnd() + 1 <= tokens_left (every
+  // byte has a token of its own in a byte-level vocabulary).
+  void FillMaskWithinBudget(int64_t tokens_left, uint32_t* mask);
   // True once a stop token was accepted.
   bool IsTerminated() const { return history_.back().terminated; }
   // Undoes the last n accepted tokens (or AcceptBytes calls); false if
@@ -103,6 +116,7 @@ class Matcher {
   bool Feed(absl::string_view bytes, Snapshot* out);
   // Whether `bytes` keep the current set alive; leaves the state unchanged.
   bool Alive(absl::string_view bytes);
+  int64_t MinBytesToEnd(const std::vector<Config>& set) const;
 
   std::shared_ptr<const CompiledGrammar> cg_;
   const Grammar& g_;

@@ -251,11 +251,32 @@ void Sampler::Accept(int32_t id) {
   ++generated_[id];
 }
 
+void MaskDisallowed(absl::Span<float> logits, const uint32_t* allowed, int32_t allowed_ids) {
+  const int64_t n = static_cast<int64_t>(logits.size());
+  const int64_t covered = std::min<int64_t>(n, std::max<int32_t>(0, allowed_ids));
+  // Word at a time: a grammar's mask is mostly all-ones (inside a string) or
+  // all-zeros (between structural tokens).
+  for (int64_t base = 0; base < covered; base += 32) {
+    const uint32_t word = allowed[base >> 5];
+    const int64_t end = std::min<int64_t>(covered, base + 32);
+    if (word == 0xFFFFFFFFu) continue;
+    if (word == 0) {
+      std::fill(logits.begin() + base, logits.begin() + end, kNegInf);
+      continue;
+    }
+    for (int64_t i = base; i < end; ++i) {
+      if (!((word >> (i - base)) & 1u)) logits[i] = kNegInf;
+    }
+  }
+  std::fill(logits.begin() + covered, logits.end(), kNegInf);
+}
+
 int32_t Sampler::Sample(absl::Span<const float> logits, TokenLogprobs* logprobs,
-                        int top_logprobs) {
+                        int top_logprobs, const uint32_t* allowed, int32_t allowed_ids) {
   work_.assign(logits.begin(), logits.end());
   absl::Span<float> row(work_);
   MaskVocabularyPadding(row, valid_vocab_);
+  if (allowed != nullptr) MaskDisallowed(row, allowed, allowed_ids);
   ApplyRepetitionPenalty(row, seen_, config_.repetition_penalty);
   ApplyPresenceFrequencyPenalties(row, generated_, config_.presence_penalty,
                                   config_.frequency_penalty);
@@ -307,6 +328,7 @@ int32_t Sampler::Sample(absl::Span<const float> logits, TokenLogprobs* logprobs,
       std::vector<int32_t> heap;
       heap.reserve(n);
       for (int32_t i = 0; i < static_cast<int32_t>(log_probs.size()); ++i) {
+        if (log_probs[i] == kNegInf) continue;  // masked: never an alternative
         if (static_cast<int>(heap.size()) < n) {
           heap.push_back(i);
           std::push_heap(heap.begin(), heap.end(), better);

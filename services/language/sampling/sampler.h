@@ -16,6 +16,12 @@
 // truncations (top-k/p, min-p). So a chosen token always has a finite logprob
 // and the numbers do not depend on how adventurous the sampling was.
 //
+// Structured output: an allowed-token bitmask (grammar/matcher.h) removes
+// every other id right after the vocabulary padding mask, before penalties.
+// Everything after it, logprobs included, then works on the constrained
+// distribution (renormalised over the allowed ids); top_logprobs lists only
+// allowed ids.
+//
 // A Sampler belongs to one sequence (not thread-safe). Same seed, same config,
 // same prompt and same logits => same tokens.
 #pragma once
@@ -55,6 +61,8 @@ absl::Status ValidateSamplingConfig(const SamplingConfig& config,
 // The transforms, each over a full row of logits in place (exposed for tests).
 // -inf marks a removed id; every function keeps -inf entries at -inf.
 void MaskVocabularyPadding(absl::Span<float> logits, int32_t valid_vocab);
+// Sets to -inf every id whose bit in `allowed` is 0 (ids >= allowed_ids too).
+void MaskDisallowed(absl::Span<float> logits, const uint32_t* allowed, int32_t allowed_ids);
 void ApplyRepetitionPenalty(absl::Span<float> logits, absl::Span<const int32_t> seen_ids,
                             float penalty);
 // `counts`: id -> times generated so far.
@@ -100,8 +108,11 @@ class Sampler {
   // record it: call Accept() with the id actually appended to the sequence.
   // When `logprobs` is non-null it receives the chosen id's logprob and the
   // `top_logprobs` best alternatives.
+  // `allowed` (optional): bit i of allowed[i / 32] set iff id i may be drawn;
+  // it covers ids [0, allowed_ids), ids beyond are disallowed.
   int32_t Sample(absl::Span<const float> logits, TokenLogprobs* logprobs = nullptr,
-                 int top_logprobs = 0);
+                 int top_logprobs = 0, const uint32_t* allowed = nullptr,
+                 int32_t allowed_ids = 0);
   void Accept(int32_t id);
 
   uint64_t seed() const { return seed_; }

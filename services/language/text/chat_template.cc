@@ -4,6 +4,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
 #include "services/language/text/utf8.h"
 
 namespace vlm::language {
@@ -17,27 +18,173 @@ absl::Status Invalid(size_t message, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("messages[", message, "]: ", what));
 }
 
+constexpr char kToolsHeader[] =
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
+constexpr char kToolsFooter[] =
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>";
+
+// Python's json.dumps(ensure_ascii=False) string escaping.
+void AppendPythonString(const std::string& s, std::string* out) {
+  out->push_back('"');
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': *out += "\\\""; break;
+      case '\\': *out += "\\\\"; break;
+      case '\n': *out += "\\n"; break;
+      case '\r': *out += "\\r"; break;
+      case '\t': *out += "\\t"; break;
+      case '\b': *out += "\\b"; break;
+      case '\f': *out += "\\f"; break;
+      default:
+        if (c < 0x20) {
+          absl::StrAppend(out, "\\u00", absl::Hex(c, absl::kZeroPad2));
+        } else {
+          out->push_back(static_cast<char>(c));
+        }
+    }
+  }
+  out->push_back('"');
+}
+
+// HF's `tojson`: json.dumps with ", " / ": " separators, keys in order.
+void AppendPythonJson(const nlohmann::ordered_json& v, std::string* out) {
+  if (v.is_object()) {
+    out->push_back('{');
+    bool first = true;
+    for (auto it = v.begin(); it != v.end(); ++it) {
+      if (!first) *out += ", ";
+      first = false;
+      AppendPythonString(it.key(), out);
+      *out += ": ";
+      AppendPythonJson(it.value(), out);
+    }
+    out->push_back('}');
+  } else if (v.is_array()) {
+    out->push_back('[');
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i > 0) *out += ", ";
+      AppendPythonJson(v[i], out);
+    }
+    out->push_back(']');
+  } else if (v.is_string()) {
+    AppendPythonString(v.get<std::string>(), out);
+  } else if (v.is_boolean()) {
+    *out += v.get<bool>() ? "true" : "false";
+  } else if (v.is_null()) {
+    *out += "null";
+  } else {
+    *out += v.dump();
+  }
+}
+
+// Text spliced into the prompt outside content parts (tool calls, tool
+// descriptions) must be UTF-8 and free of the vision control tokens, like
+// content text.
+absl::Status CheckSpliced(const std::string& text, const std::string& what) {
+  if (absl::Status s = utf8::Validate(text, what); !s.ok()) return s;
+  for (const char* token : kVisionTokens) {
+    if (text.find(token) != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " contains the control token ", token));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The text of a message's parts (system turns: images are refused earlier).
+std::string TextOf(const ChatMessage& m) {
+  std::string text;
+  for (const ChatPart& part : m.content) {
+    if (part.kind == ChatPart::Kind::kText) text += part.text;
+  }
+  return text;
+}
+
 }  // namespace
+
+absl::StatusOr<std::string> ToolJson(const std::string& name, const std::string& description,
+                                     const std::string& parameters_json) {
+  nlohmann::ordered_json function = nlohmann::ordered_json::object();
+  function["name"] = name;
+  if (!description.empty()) function["description"] = description;
+  if (!parameters_json.empty()) {
+    nlohmann::ordered_json parameters = nlohmann::ordered_json::parse(
+        parameters_json, nullptr, /*allow_exceptions=*/false);
+    if (parameters.is_discarded() || !parameters.is_object()) {
+      return absl::InvalidArgumentError("parameters is not a JSON object");
+    }
+    function["parameters"] = std::move(parameters);
+  }
+  nlohmann::ordered_json tool = nlohmann::ordered_json::object();
+  tool["type"] = "function";
+  tool["function"] = std::move(function);
+  std::string out;
+  AppendPythonJson(tool, &out);
+  return out;
+}
 
 absl::StatusOr<std::string> RenderChatTemplate(absl::Span<const ChatMessage> messages,
                                                const ChatTemplateOptions& options) {
   if (messages.empty()) return absl::InvalidArgumentError("the conversation has no messages");
   std::string out;
   int image_count = 0;
+  const bool tools = !options.tools.empty();
   for (size_t i = 0; i < messages.size(); ++i) {
     const ChatMessage& m = messages[i];
     const bool system = m.role == "system";
     const bool user = m.role == "user";
-    if (!system && !user && m.role != "assistant") {
+    const bool tool = m.role == "tool";
+    const bool assistant = m.role == "assistant";
+    if (!system && !user && !assistant && !tool) {
       return Invalid(i, absl::StrCat("unknown role \"", absl::CHexEscape(m.role),
-                                     "\"; expected \"system\", \"user\" or \"assistant\""));
+                                     "\"; expected \"system\", \"user\", \"assistant\" or "
+                                     "\"tool\""));
     }
     if (system && i != 0) return Invalid(i, "a system message must be the first message");
-    absl::StrAppend(&out, "<|im_start|>", m.role, "\n");
+    if (!m.tool_calls.empty() && !assistant) {
+      return Invalid(i, "only assistant messages carry tool calls");
+    }
+    for (size_t c = 0; c < m.tool_calls.size(); ++c) {
+      const std::string what = absl::StrCat("messages[", i, "].tool_calls[", c, "]");
+      for (const std::string* text : {&m.tool_calls[c].name, &m.tool_calls[c].arguments}) {
+        if (absl::Status s = CheckSpliced(*text, what); !s.ok()) return s;
+      }
+    }
+    if (tools && i == 0) {
+      for (size_t t = 0; t < options.tools.size(); ++t) {
+        if (absl::Status s = CheckSpliced(options.tools[t], absl::StrCat("tools[", t, "]"));
+            !s.ok()) {
+          return s;
+        }
+      }
+    }
+    if (tools && i == 0) {
+      out += "<|im_start|>system\n";
+      if (system) {
+        for (const ChatPart& part : m.content) {
+          if (part.kind == ChatPart::Kind::kImage) {
+            return Invalid(i, "images are allowed in user messages only, not in system messages");
+          }
+        }
+        absl::StrAppend(&out, TextOf(m), "\n\n");
+      }
+      out += kToolsHeader;
+      for (const std::string& t : options.tools) absl::StrAppend(&out, "\n", t);
+      absl::StrAppend(&out, kToolsFooter, "<|im_end|>\n");
+      if (system) continue;
+    }
+    if (tool) {
+      if (i == 0 || messages[i - 1].role != "tool") out += "<|im_start|>user";
+      out += "\n<tool_response>\n";
+    } else {
+      absl::StrAppend(&out, "<|im_start|>", m.role, "\n");
+    }
     for (size_t k = 0; k < m.content.size(); ++k) {
       const ChatPart& part = m.content[k];
       if (part.kind == ChatPart::Kind::kImage) {
-        if (!user) {
+        if (!user && !tool) {
           return Invalid(i, absl::StrCat("content[", k, "] is an image; images are allowed in ",
                                          "user messages only, not in ", m.role, " messages"));
         }
@@ -58,6 +205,17 @@ absl::StatusOr<std::string> RenderChatTemplate(absl::Span<const ChatMessage> mes
         }
       }
       out += part.text;
+    }
+    if (tool) {
+      out += "\n</tool_response>";
+      if (i + 1 == messages.size() || messages[i + 1].role != "tool") out += "<|im_end|>\n";
+      continue;
+    }
+    const bool has_text = !TextOf(m).empty();
+    for (size_t c = 0; c < m.tool_calls.size(); ++c) {
+      if (c > 0 || has_text) out += "\n";
+      absl::StrAppend(&out, "<tool_call>\n{\"name\": \"", m.tool_calls[c].name,
+                      "\", \"arguments\": ", m.tool_calls[c].arguments, "}\n</tool_call>");
     }
     out += "<|im_end|>\n";
   }

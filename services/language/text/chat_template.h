@@ -7,7 +7,7 @@
 // API client almost certainly did not mean; these are rejected with
 // INVALID_ARGUMENT instead:
 //   - an empty conversation;
-//   - a role other than "system", "user" or "assistant";
+//   - a role other than "system", "user", "assistant" or "tool";
 //   - a system message that is not the first message (the template drops it);
 //   - an image in a system or assistant message (the template ignores it, but
 //     the caller would have paid for encoding it);
@@ -16,6 +16,10 @@
 //   - text containing <|vision_start|>, <|vision_end|>, <|image_pad|>,
 //     <|video_pad|> or <|vision_pad|>: the tokenizer would read them as
 //     control tokens and the image placeholders would no longer line up.
+// Tools (Qwen3's format): with options.tools the system turn lists them; an
+// assistant message's tool_calls follow its text as <tool_call> blocks; a run
+// of "tool" messages (results) renders as one user turn of <tool_response>
+// blocks, images allowed as in user content.
 // Other special-token strings in text are tokenized as control tokens, as HF
 // does (section 10, pitfall 26). A message with no parts renders as an empty
 // turn, as in the template.
@@ -49,9 +53,17 @@ struct ChatPart {
   static ChatPart Image(ImageGrid grid) { return {Kind::kImage, {}, grid}; }
 };
 
+// A call an assistant message made (rendered as
+// <tool_call>\n{"name": "<name>", "arguments": <arguments>}\n</tool_call>).
+struct ChatToolCall {
+  std::string name;
+  std::string arguments;  // JSON text, emitted verbatim
+};
+
 struct ChatMessage {
-  std::string role;  // "system", "user" or "assistant"
+  std::string role;  // "system", "user", "assistant" or "tool"
   std::vector<ChatPart> content;
+  std::vector<ChatToolCall> tool_calls;  // assistant only
 };
 
 struct ChatTemplateOptions {
@@ -59,7 +71,17 @@ struct ChatTemplateOptions {
   bool add_generation_prompt = true;
   // Prefix each image with "Picture n: " (n counts images over the conversation).
   bool add_vision_id = false;
+  // Tools offered to the model, each as ToolJson renders it: listed in the
+  // system turn inside <tools></tools> with Qwen3's instructions.
+  std::vector<std::string> tools;
 };
+
+// A tool as the template lists it: {"type": "function", "function": {"name",
+// "description" (if any), "parameters" (if any)}} in HF's `tojson` form
+// (", " and ": " separators, keys in the given order, non-ASCII unescaped).
+// INVALID_ARGUMENT if `parameters_json` is not a JSON object.
+absl::StatusOr<std::string> ToolJson(const std::string& name, const std::string& description,
+                                     const std::string& parameters_json);
 
 // The rendered prompt text, before placeholder expansion: one
 // <|vision_start|><|image_pad|><|vision_end|> per image.
