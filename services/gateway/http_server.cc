@@ -1,12 +1,12 @@
 #include "services/gateway/http_server.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
-#include <dirent.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -70,7 +70,7 @@ struct HttpMetrics {
   prometheus::Counter& idle_closed =
       prometheus::BuildCounter()
           .Name("vlm_gateway_http_idle_closed_total")
-          .Help("Idle keep-alive connections closed to free a worker for a waiting connection.")
+          .Help("Keep-alive connections closed between requests to free a worker for a waiting one.")
           .Register(MetricsRegistry())
           .Add({});
 };
@@ -142,7 +142,6 @@ class SseSink final : public ChatSink {
   const ChunkFormatter* format_;
   bool started_ = false;
 };
-
 
 // --- keep-alive connections and the worker pool ------------------------------
 //
@@ -228,7 +227,7 @@ class ConnectionPool final : public httplib::TaskQueue {
     Connection* c = current_connection;
     if (c == nullptr) return false;
     absl::MutexLock lock(&mu_);
-    if (stopping_ || StarvedLocked()) c->closing = true;
+    MaybeCloseLocked(c);
     return c->closing;
   }
   // After the response is written.
@@ -238,11 +237,8 @@ class ConnectionPool final : public httplib::TaskQueue {
     absl::MutexLock lock(&mu_);
     c->in_request = false;
     c->idle_since = absl::Now();
-    if (c->closing || stopping_ || StarvedLocked()) {
-      if (!c->closing) Metrics().idle_closed.Increment();
-      c->closing = true;
-      ::shutdown(c->fd, SHUT_RDWR);
-    }
+    MaybeCloseLocked(c);
+    if (c->closing) ::shutdown(c->fd, SHUT_RDWR);
   }
 
  private:
@@ -251,9 +247,24 @@ class ConnectionPool final : public httplib::TaskQueue {
     std::shared_ptr<Connection> conn;  // null when the socket was not found
   };
 
-  // Connections queued that no worker is free to take.
+  // Connections queued that no worker is free to take (a worker whose
+  // connection is already closing counts as free: it is about to be).
   bool StarvedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return busy_ + jobs_.size() > threads_.size();
+    size_t closing = 0;
+    for (const auto& [inode, c] : conns_) closing += c->running && c->closing ? 1 : 0;
+    return busy_ - closing + jobs_.size() > threads_.size();
+  }
+
+  // Marks `c` to end after its response when the server stops or
+  // connections wait for a worker.
+  void MaybeCloseLocked(Connection* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (c->closing) return;
+    if (stopping_) {
+      c->closing = true;
+    } else if (StarvedLocked()) {
+      c->closing = true;
+      Metrics().idle_closed.Increment();
+    }
   }
 
   // The accepted socket: a TCP socket on our port with a peer, not known yet.
@@ -354,7 +365,7 @@ class ConnectionPool final : public httplib::TaskQueue {
   absl::Mutex mu_;
   std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<ino_t, std::shared_ptr<Connection>> conns_ ABSL_GUARDED_BY(mu_);
-  int busy_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t busy_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
