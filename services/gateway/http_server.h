@@ -45,7 +45,8 @@
 // connections wait for a worker says `Connection: close` and ends its
 // connection. A new connection therefore waits only for a request in progress,
 // never for an idle one (bound: the shortest running request, or a stream).
-// Stop closes idle connections at once.
+// Stop closes idle connections at once. (httplib polls an idle connection
+// every 10 ms: about 100 wake-ups a second each while it is kept.)
 //
 // Thread-safety: Start/Stop from one thread; requests run on the server's pool.
 #ifndef VLM_SERVICES_GATEWAY_HTTP_SERVER_H_
