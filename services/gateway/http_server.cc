@@ -1,15 +1,23 @@
 #include "services/gateway/http_server.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <map>
+#include <memory>
 #include <set>
 #include <thread>
 #include <utility>
@@ -57,6 +65,12 @@ struct HttpMetrics {
       prometheus::BuildCounter()
           .Name("vlm_gateway_http_unwatched_requests_total")
           .Help("Chat requests whose connection could not be watched for the client leaving.")
+          .Register(MetricsRegistry())
+          .Add({});
+  prometheus::Counter& idle_closed =
+      prometheus::BuildCounter()
+          .Name("vlm_gateway_http_idle_closed_total")
+          .Help("Keep-alive connections closed between requests to free a worker for a waiting one.")
           .Register(MetricsRegistry())
           .Add({});
 };
@@ -129,6 +143,232 @@ class SseSink final : public ChatSink {
   bool started_ = false;
 };
 
+// --- keep-alive connections and the worker pool ------------------------------
+//
+// httplib (0.11) serves a connection on one worker from accept to close and
+// waits for the next request inside the library, so an idle keep-alive
+// connection holds its worker for the whole keep-alive timeout. The pool below
+// knows each connection's socket (found at accept by its inode, and held as a
+// duplicate so that the number cannot be reused under us) and whether it is
+// between requests, so it can end idle connections when a new connection
+// needs their worker: shutdown() of the socket wakes httplib's wait, which
+// then reads end-of-file and closes the connection.
+
+struct Connection {
+  int fd = -1;  // our duplicate of the accepted socket (closed when the connection ends)
+  ino_t inode = 0;
+  // Guarded by ConnectionPool::mu_:
+  bool running = false;      // a worker serves it
+  bool in_request = false;   // between reading a request's head and the end of its response
+  bool closing = false;      // shut down (or told Connection: close)
+  absl::Time idle_since = absl::InfinitePast();
+};
+
+// The socket inode of `fd`, or 0 when it is no socket.
+ino_t SocketInode(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return 0;
+  return st.st_ino;
+}
+
+int LocalPort(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return -1;
+  if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  return -1;
+}
+
+bool HasPeer(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  return getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+}
+
+thread_local Connection* current_connection = nullptr;  // the worker's connection
+
+class ConnectionPool final : public httplib::TaskQueue {
+ public:
+  ConnectionPool(int threads, int port) : port_(port) {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
+  }
+  ~ConnectionPool() override = default;
+
+  // On httplib's accept thread, right after accept(): finds the new socket,
+  // queues its task and, when no worker is free, closes an idle connection.
+  void enqueue(std::function<void()> fn) override {
+    std::shared_ptr<Connection> conn = Adopt();
+    absl::MutexLock lock(&mu_);
+    jobs_.push_back({std::move(fn), std::move(conn)});
+    if (StarvedLocked()) CloseIdleLocked(/*all=*/false);
+  }
+
+  void shutdown() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+      CloseIdleLocked(/*all=*/true);
+    }
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
+
+  // Handler hooks, on the connection's own worker.
+  void RequestStarted() {
+    Connection* c = current_connection;
+    if (c == nullptr) return;
+    absl::MutexLock lock(&mu_);
+    c->in_request = true;
+  }
+  // Before the response head is written: true when this connection should
+  // end after the response (connections wait for a worker, or the server stops).
+  bool ShouldCloseAfterResponse() {
+    Connection* c = current_connection;
+    if (c == nullptr) return false;
+    absl::MutexLock lock(&mu_);
+    MaybeCloseLocked(c);
+    return c->closing;
+  }
+  // After the response is written.
+  void RequestFinished() {
+    Connection* c = current_connection;
+    if (c == nullptr) return;
+    absl::MutexLock lock(&mu_);
+    c->in_request = false;
+    c->idle_since = absl::Now();
+    MaybeCloseLocked(c);
+    if (c->closing) ::shutdown(c->fd, SHUT_RDWR);
+  }
+
+ private:
+  struct Job {
+    std::function<void()> fn;
+    std::shared_ptr<Connection> conn;  // null when the socket was not found
+  };
+
+  // Connections queued that no worker is free to take (a worker whose
+  // connection is already closing counts as free: it is about to be).
+  bool StarvedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    size_t closing = 0;
+    for (const auto& [inode, c] : conns_) closing += c->running && c->closing ? 1 : 0;
+    return busy_ - closing + jobs_.size() > threads_.size();
+  }
+
+  // Marks `c` to end after its response when the server stops or
+  // connections wait for a worker.
+  void MaybeCloseLocked(Connection* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (c->closing) return;
+    if (stopping_) {
+      c->closing = true;
+    } else if (StarvedLocked()) {
+      c->closing = true;
+      Metrics().idle_closed.Increment();
+    }
+  }
+
+  // The accepted socket: a TCP socket on our port with a peer, not known yet.
+  // The accept thread is the only one adding connections, so at most one
+  // such socket is new; of several (a failed earlier lookup) the newest inode wins.
+  std::shared_ptr<Connection> Adopt() {
+    std::set<ino_t> known;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [inode, c] : conns_) known.insert(inode);
+    }
+    DIR* dir = opendir("/proc/self/fd");
+    if (dir == nullptr) return nullptr;
+    int best_fd = -1;
+    ino_t best_inode = 0;
+    const int self = dirfd(dir);
+    while (dirent* e = readdir(dir)) {
+      if (e->d_name[0] == '.') continue;
+      const int fd = std::atoi(e->d_name);
+      if (fd == self) continue;
+      const ino_t inode = SocketInode(fd);
+      if (inode == 0 || inode <= best_inode || known.count(inode) != 0) continue;
+      if (LocalPort(fd) != port_ || !HasPeer(fd)) continue;
+      best_fd = fd;
+      best_inode = inode;
+    }
+    closedir(dir);
+    if (best_fd < 0) return nullptr;
+    auto conn = std::make_shared<Connection>();
+    conn->fd = fcntl(best_fd, F_DUPFD_CLOEXEC, 0);
+    if (conn->fd < 0) return nullptr;
+    conn->inode = best_inode;
+    conn->idle_since = absl::Now();
+    absl::MutexLock lock(&mu_);
+    conns_[best_inode] = conn;
+    return conn;
+  }
+
+  // Closes the longest-idle connection between requests (all of them when
+  // `all`) whose socket holds no unread request bytes.
+  void CloseIdleLocked(bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<Connection*> idle;
+    for (const auto& [inode, c] : conns_) {
+      if (!c->running || c->in_request || c->closing) continue;
+      int unread = 0;
+      if (ioctl(c->fd, FIONREAD, &unread) == 0 && unread > 0) continue;  // a request arriving
+      idle.push_back(c.get());
+    }
+    std::sort(idle.begin(), idle.end(),
+              [](const Connection* a, const Connection* b) { return a->idle_since < b->idle_since; });
+    for (Connection* c : idle) {
+      c->closing = true;
+      ::shutdown(c->fd, SHUT_RDWR);
+      if (!all) {
+        Metrics().idle_closed.Increment();
+        return;
+      }
+    }
+  }
+
+  void Work() {
+    for (;;) {
+      Job job;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](ConnectionPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
+              return !p->jobs_.empty() || p->stopping_;
+            },
+            this));
+        if (jobs_.empty()) return;  // stopping, nothing queued
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+        ++busy_;
+        if (job.conn != nullptr) {
+          job.conn->running = true;
+          job.conn->idle_since = absl::Now();
+          if (stopping_) {
+            job.conn->closing = true;
+            ::shutdown(job.conn->fd, SHUT_RDWR);
+          }
+        }
+      }
+      current_connection = job.conn.get();
+      job.fn();  // serves the connection until httplib closes it
+      current_connection = nullptr;
+      absl::MutexLock lock(&mu_);
+      --busy_;
+      if (job.conn != nullptr) {
+        conns_.erase(job.conn->inode);
+        close(job.conn->fd);
+      }
+    }
+  }
+
+  const int port_;
+  std::vector<std::thread> threads_;
+  absl::Mutex mu_;
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<ino_t, std::shared_ptr<Connection>> conns_ ABSL_GUARDED_BY(mu_);
+  size_t busy_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 }  // namespace
 
 struct HttpServer::Impl {
@@ -140,6 +380,8 @@ struct HttpServer::Impl {
   ConnectionWatcher watcher;
   httplib::Server http;
   std::thread thread;
+  int port = 0;                     // as bound, before the pool is made
+  ConnectionPool* pool = nullptr;   // owned by `http` while it listens
 
   // Requests running (chat only) and their cancellations, for Stop().
   absl::Mutex mu;
@@ -330,7 +572,27 @@ void HttpServer::Impl::Chat(const httplib::Request& req, httplib::Response& res)
 }
 
 void HttpServer::Impl::Install() {
-  http.new_task_queue = [n = options.threads] { return new httplib::ThreadPool(n); };
+  http.new_task_queue = [this] {
+    pool = new ConnectionPool(options.threads, port);
+    return pool;
+  };
+  // Keep-alive (see http_server.h). httplib waits the same timeout for a new
+  // connection's first request; without keep-alive that wait stays 5 s.
+  const int64_t keep_alive_s = absl::ToInt64Seconds(options.keep_alive);
+  http.set_keep_alive_timeout(keep_alive_s > 0 ? keep_alive_s : 5);
+  http.set_keep_alive_max_count(
+      keep_alive_s > 0 ? static_cast<size_t>(std::max(1, options.keep_alive_max_requests)) : 1);
+  // A request's head is read: the connection is busy until its response ends.
+  http.set_pre_routing_handler([this](const httplib::Request&, httplib::Response&) {
+    if (pool != nullptr) pool->RequestStarted();
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  // Connections wait for a worker, or the server stops: this response ends its connection.
+  http.set_post_routing_handler([this](const httplib::Request&, httplib::Response& res) {
+    if (pool == nullptr || !pool->ShouldCloseAfterResponse()) return;
+    res.headers.erase("Keep-Alive");
+    if (!res.has_header("Connection")) res.set_header("Connection", "close");
+  });
   // As for /metrics: no SO_REUSEPORT, so two processes cannot share a port silently.
   http.set_socket_options([](int sock) {
     int yes = 1;
@@ -403,10 +665,12 @@ void HttpServer::Impl::Install() {
     res.set_content(ErrorJson(e), kJson);
   });
 
-  http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+  http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
     HttpMetrics& m = Metrics();
     const std::string route = RouteLabel(req.path);
     m.requests.Add({{"route", route}, {"status", std::to_string(res.status)}}).Increment();
+    // Called once the response is written: the connection is idle again.
+    if (pool != nullptr) pool->RequestFinished();
   });
 }
 
@@ -437,6 +701,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(HttpServerOptions 
     return absl::UnavailableError(absl::StrCat("HTTP server cannot bind ", impl->options.address,
                                                " (address in use or not local?)"));
   }
+  impl->port = port;
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->http.listen_after_bind(); });
   for (int i = 0; i < 5000 && !http.is_running(); ++i) {

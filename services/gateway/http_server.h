@@ -28,8 +28,25 @@
 // vlm_gateway_http_sse_streams_open, vlm_gateway_http_client_gone_total
 // (requests cancelled by a watched connection closing) and
 // vlm_gateway_http_unwatched_requests_total (connections that could not be
-// watched; expected 0); the chat latencies are the pipeline's own
+// watched; expected 0), vlm_gateway_http_idle_closed_total (idle keep-alive
+// connections closed to free a worker for a waiting one); the chat latencies are the pipeline's own
 // (vlm_gateway_queue_seconds, ..., shared with gRPC).
+//
+// Keep-alive: an idle connection stays open `keep_alive` (default 75 s, longer
+// than the idle timeouts of load balancers (60 s) and of HTTP clients' free
+// sockets (undici, agentkeepalive: 4 s; httpx: 5 s)), so a client reusing a
+// pooled connection never races the server closing it. Every response says
+// `Keep-Alive: timeout=N, max=M`, which undici and node's http agent use to
+// drop the socket a second before the server does; the M-th response on a
+// connection says `Connection: close`. An open connection holds one of the
+// `threads` workers, idle or not, so idle connections give way: when a new
+// connection finds every worker taken, the longest-idle connection is closed
+// (between requests, never inside one), and a response finished while
+// connections wait for a worker says `Connection: close` and ends its
+// connection. A new connection therefore waits only for a request in progress,
+// never for an idle one (bound: the shortest running request, or a stream).
+// Stop closes idle connections at once. (httplib polls an idle connection
+// every 10 ms: about 100 wake-ups a second each while it is kept.)
 //
 // Thread-safety: Start/Stop from one thread; requests run on the server's pool.
 #ifndef VLM_SERVICES_GATEWAY_HTTP_SERVER_H_
@@ -51,6 +68,8 @@ struct HttpServerOptions {
   std::string served_model_name = "qwen3-vl";
   int64_t max_body_bytes = 32 << 20;     // larger bodies get 413
   int threads = 64;                      // concurrent connections served (a stream holds one)
+  absl::Duration keep_alive = absl::Seconds(75);  // idle connection kept; zero: one request each
+  int keep_alive_max_requests = 1000;    // requests per connection; the last says Connection: close
   bool allow_remote_images = false;      // fetch http(s) image URLs
   int64_t max_remote_image_bytes = 20 << 20;
   absl::Duration remote_image_timeout = absl::Seconds(10);

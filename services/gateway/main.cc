@@ -109,6 +109,10 @@ ABSL_FLAG(std::string, model_dir, "",
           "the checkpoint directory the backends serve; only its name is used (model id)");
 ABSL_FLAG(int64_t, max_http_body_bytes, 32 << 20, "largest HTTP request body; larger: 413");
 ABSL_FLAG(int, http_threads, 64, "HTTP connections served at once (an SSE stream holds one)");
+ABSL_FLAG(int, http_keep_alive_s, 75,
+          "seconds an idle HTTP keep-alive connection stays open (sent as Keep-Alive: timeout=N; "
+          "idle connections are closed early when new ones need their worker; 0: one request "
+          "per connection)");
 ABSL_FLAG(bool, allow_remote_images, false,
           "fetch http(s):// image URLs of HTTP requests (off: refused with 400)");
 ABSL_FLAG(double, remote_image_timeout_s, 10,
@@ -260,6 +264,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartHttpFromFlags(const GatewayOpti
   http_options.served_model_name = ServedModelName();
   http_options.max_body_bytes = absl::GetFlag(FLAGS_max_http_body_bytes);
   http_options.threads = absl::GetFlag(FLAGS_http_threads);
+  if (absl::GetFlag(FLAGS_http_keep_alive_s) < 0) {
+    return absl::InvalidArgumentError("--http_keep_alive_s must be >= 0");
+  }
+  http_options.keep_alive = absl::Seconds(absl::GetFlag(FLAGS_http_keep_alive_s));
   http_options.allow_remote_images = absl::GetFlag(FLAGS_allow_remote_images);
   http_options.max_remote_image_bytes = options.limits.max_image_bytes;
   http_options.remote_image_timeout = absl::Seconds(absl::GetFlag(FLAGS_remote_image_timeout_s));

@@ -1,12 +1,14 @@
 // The official `openai` JavaScript SDK against the gateway's HTTP front end on
 // the tiny checkpoint: non-streaming, streaming with usage, an image as a data
-// URL, logprobs, a bad parameter (BadRequestError, 400) and API keys
-// (AuthenticationError, 401), and pictures of every size: a 12 MP phone photo
-// with no options and with detail "low", 12000x9000, and the extreme shapes
-// (1x1, 1x40000, 200:1, 201:1) that either answer or get a 400 naming the
-// model's limit. Run by ctest with node's test runner.
+// URL, logprobs, a pooled connection reused after 5.5 s idle, a bad parameter
+// (BadRequestError, 400) and API keys (AuthenticationError, 401), and pictures
+// of every size: a 12 MP phone photo with no options and with detail "low",
+// 12000x9000, and the extreme shapes (1x1, 1x40000, 200:1, 201:1) that either
+// answer or get a 400 naming the model's limit. Run by ctest with node's test
+// runner.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
 import fs from "node:fs";
 import path from "node:path";
 import { startStack, requireModule, makePng, makeJpeg, metric } from "./stack.mjs";
@@ -40,6 +42,22 @@ test("models.list names the checkpoint", async () => {
   const models = [];
   for await (const m of client.models.list()) models.push(m.id);
   assert.deepEqual(models, [stack.model]);
+});
+
+// A client busy for a while between two calls (its event loop blocked, as by
+// synchronous work) reuses its pooled connection without having seen a timer
+// or the server's FIN: the connection must still be open. With a 5 s server
+// keep-alive such a call failed with "Connection error." (maxRetries 0). Two
+// gaps: one of them follows a response that does not end its connection.
+test("a pooled connection idle for 5.5 s with the event loop blocked still serves", async () => {
+  for (let gap = 0; gap < 2; ++gap) {
+    const first = [];
+    for await (const m of client.models.list()) first.push(m.id);
+    execFileSync("sleep", ["5.5"]);
+    const again = [];
+    for await (const m of client.models.list()) again.push(m.id);
+    assert.deepEqual(again, first, `after gap ${gap + 1}`);
+  }
 });
 
 test("non-streaming completion", async () => {
