@@ -16,17 +16,10 @@
 #include "common/kernels/gemm_internal.h"
 #include "common/kernels/gemv_int4.h"
 #include "common/kernels/quantize_int4.h"
-
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels {
 namespace {
-
-#define VLM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 using internal::kPanelCols;
 
@@ -34,7 +27,7 @@ using internal::kPanelCols;
 constexpr int64_t kAhead = kInt4Block / 2;
 
 // Rows 0..15 of `r` transposed in place: afterwards r[c] lane i = old r[i] lane c.
-VLM_TARGET inline void Transpose16(__m512i r[16]) {
+VLM_TARGET_AVX512_BF16 inline void Transpose16(__m512i r[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -62,18 +55,18 @@ VLM_TARGET inline void Transpose16(__m512i r[16]) {
 // portable path).
 uint16_t Element(const Int4Weight& w, int64_t r, int64_t k) {
   if (r < 0 || k >= w.k_padded()) return 0;
-  return c10::BFloat16(w.scale(r, k / kInt4Group) * static_cast<float>(w.value(r, k))).x;
+  return simd::F32ToBf16(w.scale(r, k / kInt4Group) * static_cast<float>(w.value(r, k)));
 }
 
 // One k-pair of 16 panel columns: (even[i], odd[i]) as bf16 pairs.
-VLM_TARGET inline void StorePairs(uint16_t* p, __m512i interleave, __m512 even, __m512 odd) {
+VLM_TARGET_AVX512_BF16 inline void StorePairs(uint16_t* p, __m512i interleave, __m512 even, __m512 odd) {
   _mm512_store_si512(p, _mm512_permutexvar_epi16(
                             interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even))));
 }
 
 // Panel columns [16h, 16h + 16) of one panel (dst: its first k-pair) from the
 // rows rows[0..16) (-1: past the weight, zero).
-VLM_TARGET void FillHalfPanel(const Int4Weight& w, const int64_t rows[16], int h, int64_t kpairs,
+VLM_TARGET_AVX512_BF16 void FillHalfPanel(const Int4Weight& w, const int64_t rows[16], int h, int64_t kpairs,
                               uint16_t* dst) {
   const int64_t kp = w.k_padded(), groups = w.groups();
   const int64_t full = kp / kInt4Block * kInt4Block;

@@ -14,14 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
+#include "common/kernels/path_override.h"
 #include "common/kernels/quantize.h"
+#include "common/kernels/simd.h"
 #include "common/kernels/thread_pool.h"
-
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
 
 namespace vlm::kernels {
 namespace {
@@ -79,15 +75,12 @@ struct QuantizedX {
   }
 };
 
-float ToF32(const float* p, int64_t i) { return p[i]; }
-float ToF32(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+using simd::ToF32;
 
 // Helpers the vector kernels call per row are inlined into them (compiled
 // for their target): a call into generic SSE code from AVX-512 code with
 // zmm16-31 in use runs it with a dirty upper state, many times slower.
-#define VLM_INLINE __attribute__((always_inline)) inline
-
-VLM_INLINE float HalfToFloat(uint16_t bits) {
+[[gnu::always_inline]] inline float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
@@ -99,14 +92,14 @@ void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
   for (int64_t g = 0; g < kp / kGroup; ++g) {
     const int64_t k0 = g * kGroup, k1 = std::min(k, k0 + kGroup);
     float amax = 0;
-    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src, i)));
+    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src[i])));
     const float scale = amax / kXLimit;
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     int32_t sum = 0;
     for (int64_t i = k0; i < k0 + kGroup; ++i) {
       const int8_t v =
           i < k1 ? static_cast<int8_t>(
-                       std::clamp(std::nearbyint(ToF32(src, i) * inv), -kXLimit, kXLimit))
+                       std::clamp(std::nearbyint(ToF32(src[i]) * inv), -kXLimit, kXLimit))
                  : int8_t{0};
       q[i] = v;
       sum += v;
@@ -117,25 +110,15 @@ void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
   }
 }
 
-#define VLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#define VLM_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-VLM_TARGET_VNNI inline __m512 Load16(const float* src, int64_t i0, int64_t k) {
-  if (i0 + 16 <= k) return _mm512_loadu_ps(src + i0);
-  if (i0 >= k) return _mm512_setzero_ps();
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (k - i0)) - 1), src + i0);
-}
-VLM_TARGET_VNNI inline __m512 Load16(const c10::BFloat16* src, int64_t i0, int64_t k) {
-  __m256i h;
-  if (i0 + 16 <= k) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i0));
-  else if (i0 >= k) h = _mm256_setzero_si256();
-  else h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (k - i0)) - 1), src + i0);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// Elements [i0, i0 + 16) of a row of k, zero past k.
+template <typename T>
+VLM_TARGET_AVX512_VNNI inline __m512 Load16(const T* src, int64_t i0, int64_t k) {
+  return simd::Load16(src + i0, simd::Mask16(k - i0));
 }
 
 // round(v·inv) clamped to ±127 as int8 (VCVTPS2DQ rounds to nearest even,
 // as std::nearbyint does in the default mode).
-VLM_TARGET_VNNI inline __m128i Quantize16(__m512 v, __m512 inv) {
+VLM_TARGET_AVX512_VNNI inline __m128i Quantize16(__m512 v, __m512 inv) {
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
   return _mm512_cvtepi32_epi8(
       _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127)));
@@ -143,7 +126,7 @@ VLM_TARGET_VNNI inline __m128i Quantize16(__m512 v, __m512 inv) {
 
 // QuantizeRowScalar with AVX-512: the same f32 operations, the same bytes.
 template <typename T>
-VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
+VLM_TARGET_AVX512_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
                                      int32_t* sums, int8_t* x8) {
   const __m256i quad_slots = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
   const int64_t full_groups = kp / kBlock * kBlock / kGroup;
@@ -206,15 +189,15 @@ struct Output {
   void* y = nullptr;
   bool bf16 = false;
   int64_t n = 0;
-  VLM_INLINE void Store(int64_t b, int64_t row, float v) const {
-    if (bf16) static_cast<c10::BFloat16*>(y)[b * n + row] = c10::BFloat16(v);
+  [[gnu::always_inline]] void Store(int64_t b, int64_t row, float v) const {
+    if (bf16) static_cast<uint16_t*>(y)[b * n + row] = simd::F32ToBf16(v);
     else static_cast<float*>(y)[b * n + row] = v;
   }
 };
 
 // Exact Σ (u - z)·q over group g of row r (natural order, for tail groups
 // and the scalar path).
-VLM_INLINE int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int8_t* xq) {
+[[gnu::always_inline]] inline int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int8_t* xq) {
   const int z = w.zero(r, g);
   int32_t isum = 0;
   for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
@@ -225,7 +208,7 @@ VLM_INLINE int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int
 
 // The 16 lane sums of the full blocks by a fixed tree: lane i + lane i + 8,
 // then + 4, + 2, + 1 (the vector paths do the same adds on register halves).
-VLM_INLINE float ReduceLanes(const float lanes[16]) {
+[[gnu::always_inline]] inline float ReduceLanes(const float lanes[16]) {
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = lanes[i] + lanes[i + 8];
   for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
@@ -235,7 +218,7 @@ VLM_INLINE float ReduceLanes(const float lanes[16]) {
 
 // The f32 part shared by every path after the lanes' tree (`sum`): the tail
 // groups (one FMA each, in order), then the row scale.
-VLM_INLINE float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int64_t b, float sum) {
+[[gnu::always_inline]] inline float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int64_t b, float sum) {
   const int64_t full_groups = x.k_padded / kBlock * kBlock / kGroup;
   const int8_t* xq = x.q.data() + b * x.k_padded;
   for (int64_t g = full_groups; g < x.groups; ++g) {
@@ -246,10 +229,21 @@ VLM_INLINE float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int
 }
 
 // ReduceLanes after its first step, on a register of t[0..8).
-VLM_TARGET_AVX2 VLM_INLINE float ReduceLanes256(__m256 t8) {
+VLM_INLINE_AVX2 float ReduceLanes256(__m256 t8) {
   const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
   const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));           // t0 + t2, t1 + t3
   return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));          // + t1
+}
+
+// 8 finite f16 bit patterns -> f32, exact (subnormals included) without
+// F16C: exponent and mantissa moved into f32 position, then scaled by
+// 2^(127 - 15); the sign copied.
+VLM_INLINE_AVX2 __m256 HalfToF32x8(__m128i h) {
+  const __m256i v = _mm256_cvtepu16_epi32(h);
+  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7FFF)), 13);
+  const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(_mm256_set1_epi32(0x77800000)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16);
+  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
 }
 
 // --- scalar --------------------------------------------------------------------
@@ -271,10 +265,12 @@ void RowsScalar(const QuantizedX& x, const Int4Weight& w, const Output& out, int
 
 // --- avx512vnni ------------------------------------------------------------------
 // ReduceLanes on a register: the same adds in the same order.
-VLM_TARGET_VNNI VLM_INLINE float ReduceLanes512(__m512 v) {
+VLM_TARGET_AVX512_VNNI [[gnu::always_inline]] inline float ReduceLanes512(__m512 v) {
   const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v),
                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  return ReduceLanes256(t8);
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 
 // Software prefetch into L2, this far past the furthest row of a tile (as GemvInt8).
@@ -286,7 +282,7 @@ constexpr int64_t kPrefetchLead = 2048;
 // with the int8 activations. Integer sums exact (|Σ u·xq| ≤ 32·15·127), so
 // the split over the two nibble accumulators changes nothing.
 template <int R, int NB>
-VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w, int64_t r0,
+VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w, int64_t r0,
                               const Output& out) {
   const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
   const int64_t rb = w.row_bytes();
@@ -352,7 +348,7 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight&
 }
 
 template <int R>
-VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const Int4Weight& w, int64_t r0,
+VLM_TARGET_AVX512_VNNI void RowTileVnni(const QuantizedX& x, const Int4Weight& w, int64_t r0,
                                  const Output& out) {
   for (int64_t b0 = 0; b0 < x.batch; b0 += 4) {
     switch (std::min<int64_t>(4, x.batch - b0)) {
@@ -366,7 +362,7 @@ VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const Int4Weight& w, int64
 
 // B = 1: one row at a time (one sequential stream per thread); B ≥ 2: pairs
 // of rows, which halve the loads of x.
-VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const Int4Weight& w, const Output& out,
+VLM_TARGET_AVX512_VNNI void RowsVnni(const QuantizedX& x, const Int4Weight& w, const Output& out,
                               int64_t r0, int64_t r1) {
   int64_t r = r0;
   if (x.batch >= 2) {
@@ -415,7 +411,7 @@ VLM_TARGET_AVX2 void TileAvx2(const QuantizedX& x, int64_t b0, const Int4Weight&
         }
       }
       const int64_t gh = g0 + 8 * h;
-      const __m256 ratio = _mm256_cvtph_ps(
+      const __m256 ratio = HalfToF32x8(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.ratios() + row * groups + gh)));
       const __m256i z = _mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros() + row * groups + gh)));
@@ -482,8 +478,8 @@ bool GemvInt4PathSupported(GemvInt4Path path, std::string* missing) {
     case GemvInt4Path::kScalar:
       return true;
     case GemvInt4Path::kAvx2:
-      if (f.avx2 && f.fma && f.f16c) return true;
-      if (missing != nullptr) *missing = "AVX2 with FMA and F16C";
+      if (f.avx2 && f.fma) return true;
+      if (missing != nullptr) *missing = "AVX2 with FMA";
       return false;
     case GemvInt4Path::kAvx512Vnni:
       if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni) return true;
@@ -494,23 +490,9 @@ bool GemvInt4PathSupported(GemvInt4Path path, std::string* missing) {
 }
 
 GemvInt4Path DefaultGemvInt4Path() {
-  static const GemvInt4Path path = [] {
-    const char* env = std::getenv("VLM_GEMV_INT4_PATH");
-    if (env == nullptr || *env == '\0') return BestPath();
-    absl::StatusOr<GemvInt4Path> p = ParseGemvInt4Path(env);
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_GEMV_INT4_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return BestPath();
-    }
-    std::string missing;
-    if (!GemvInt4PathSupported(*p, &missing)) {
-      std::fprintf(stderr, "VLM_GEMV_INT4_PATH=%s ignored: this CPU lacks %s\n", env,
-                   missing.c_str());
-      return BestPath();
-    }
-    return *p;
-  }();
+  static const GemvInt4Path path = internal::PathFromEnvironment(
+      "VLM_GEMV_INT4_PATH", BestPath(), ParseGemvInt4Path,
+      [](GemvInt4Path p, std::string* missing) { return GemvInt4PathSupported(p, missing); });
   return path;
 }
 
