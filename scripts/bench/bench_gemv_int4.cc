@@ -135,6 +135,50 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Quantizers on one layer's four bf16 weights (50 M weights), per path, on
+  // one thread and on --threads: the scalar int4 row is the reference the
+  // vector rows reproduce byte for byte. Median of 3 (scalar: 1 run).
+  {
+    std::vector<at::Tensor> ws;
+    double weights = 0;
+    for (const Proj& p : kProjs) {
+      ws.push_back(RandomBf16(p.out, p.in, 31 + p.out));
+      weights += static_cast<double>(ws.back().numel());
+    }
+    std::printf("\n### Quantization, one layer's weights (%.1f M), ns per weight, median of 3\n\n"
+                "| quantizer | 1 thread | %d threads |\n|---|---|---|\n",
+                weights / 1e6, threads);
+    auto time = [&](int runs, const std::function<void(const at::Tensor&)>& f) {
+      std::vector<double> t;
+      for (int i = 0; i < runs; ++i) {
+        t.push_back(Seconds([&] {
+          for (const at::Tensor& w : ws) f(w);
+        }));
+      }
+      return vlm::bench::Median(t) / weights * 1e9;
+    };
+    for (k::QuantizeInt4Path p : {k::QuantizeInt4Path::kScalar, k::QuantizeInt4Path::kAvx2,
+                                  k::QuantizeInt4Path::kAvx512}) {
+      if (!k::QuantizeInt4PathSupported(p)) continue;
+      const int runs = p == k::QuantizeInt4Path::kScalar ? 1 : 3;
+      double ns[2];
+      for (int t = 0; t < 2; ++t) {
+        const int n = t == 0 ? 1 : threads;
+        ns[t] = time(runs, [&](const at::Tensor& w) {
+          CheckOk(k::QuantizeInt4(w, p, n).status(), "QuantizeInt4");
+        });
+      }
+      std::printf("| int4/%s | %.2f | %.2f |\n", k::QuantizeInt4PathName(p), ns[0], ns[1]);
+    }
+    double ns8[2];
+    for (int t = 0; t < 2; ++t) {
+      at::set_num_threads(t == 0 ? 1 : threads);
+      ns8[t] = time(3, [&](const at::Tensor& w) { CheckOk(k::QuantizeInt8(w).status(), "QuantizeInt8"); });
+    }
+    at::set_num_threads(threads);
+    std::printf("| int8 (default path) | %.2f | %.2f |\n", ns8[0], ns8[1]);
+  }
+
   // Weights: random bf16 per matrix, quantized both ways, the bf16 dropped.
   std::vector<LayerSet> set(layers);
   int64_t bytes4 = 0, bytes8 = 0;
