@@ -277,17 +277,32 @@ VLM_TARGET_AVX512_VNNI [[gnu::always_inline]] inline float ReduceLanes512(__m512
 constexpr int64_t kPrefetchLead = 2048;
 
 // A tile of R weight rows × NB batch rows (NB ≤ 4). Per 64-byte chunk of a
-// row (128 weights): low nibbles (AND 0x0F) and high nibbles (shift, AND),
-// each a u8 vector whose lane l holds 4 weights of group l, one VPDPBUSD each
-// with the int8 activations. Integer sums exact (|Σ u·xq| ≤ 32·15·127), so
-// the split over the two nibble accumulators changes nothing.
+// row (128 weights): the low nibbles (AND 0x0F) and the high nibbles in
+// place (AND 0xF0, i.e. 16·u), each a u8 vector whose lane l holds 4 weights
+// of group l, one VPDPBUSD each with the int8 activations; the high sums,
+// multiples of 16, are shifted back once per block. Integer sums exact
+// (|Σ 16·u·xq| ≤ 16·16·15·127 per lane), so the split over the nibble
+// accumulators and the shift change nothing. z·Σxq by VPMADDWD (z ≤ 15 and
+// |Σxq| ≤ 32·127 fit the low 16 bits; the high halves give 0·(±1)).
+// Pointers advance per block: the loop holds no index arithmetic.
 template <int R, int NB>
 VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w, int64_t r0,
-                              const Output& out) {
+                                     const Output& out) {
   const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
   const int64_t rb = w.row_bytes();
   const int64_t ahead = (R - 1) * rb + kPrefetchLead;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* wp[R];
+  const uint16_t* ratio_p[R];
+  const uint8_t* zero_p[R];
+  for (int r = 0; r < R; ++r) {
+    wp[r] = w.row(r0 + r);
+    ratio_p[r] = w.ratios() + (r0 + r) * groups;
+    zero_p[r] = w.zeros() + (r0 + r) * groups;
+  }
+  const int8_t* xp = x.x8.data() + b0 * kp;
+  const int32_t* sums_p = x.sums.data() + b0 * groups;
+  const float* d_p = x.d.data() + b0 * groups;
   __m512 facc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
@@ -302,16 +317,15 @@ VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4
       __m512i wl[R], wh[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const uint8_t* wp = w.row(r0 + r) + s / 2 + 64 * c;
-        _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
-        const __m512i v = _mm512_loadu_si512(wp);
-        wl[r] = _mm512_and_si512(v, mask);
-        wh[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        _mm_prefetch(reinterpret_cast<const char*>(wp[r] + 64 * c + ahead), _MM_HINT_T1);
+        const __m512i v = _mm512_loadu_si512(wp[r] + 64 * c);
+        wl[r] = _mm512_and_si512(v, lo_mask);
+        wh[r] = _mm512_andnot_si512(lo_mask, v);
       }
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const int8_t* xp = x.x8.data() + (b0 + b) * kp + s + 128 * c;
-        const __m512i x0 = _mm512_loadu_si512(xp), x1 = _mm512_loadu_si512(xp + 64);
+        const __m512i x0 = _mm512_loadu_si512(xp + b * kp + 128 * c);
+        const __m512i x1 = _mm512_loadu_si512(xp + b * kp + 128 * c + 64);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           acc[r][b][c % 2] = _mm512_dpbusd_epi32(acc[r][b][c % 2], wl[r], x0);
@@ -319,26 +333,27 @@ VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4
         }
       }
     }
-    const int64_t g0 = s / kGroup;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r;
-      const __m512 ratio = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.ratios() + row * groups + g0)));
-      const __m512i z = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros() + row * groups + g0)));
+      const __m512 ratio =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ratio_p[r])));
+      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero_p[r])));
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const int64_t xb = (b0 + b) * groups + g0;
-        const __m512i zs = _mm512_mullo_epi32(z, _mm512_loadu_si512(x.sums.data() + xb));
-        const __m512i isum = _mm512_sub_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(acc[r][b][0], acc[r][b][1]),
-                             _mm512_add_epi32(acc[r][b][2], acc[r][b][3])),
-            zs);
-        const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(x.d.data() + xb));
+        const __m512i zs = _mm512_madd_epi16(z, _mm512_loadu_si512(sums_p + b * groups));
+        const __m512i lo = _mm512_add_epi32(acc[r][b][0], acc[r][b][1]);
+        const __m512i hi16 = _mm512_add_epi32(acc[r][b][2], acc[r][b][3]);
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(lo, _mm512_srai_epi32(hi16, 4)), zs);
+        const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(d_p + b * groups));
         facc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, facc[r][b]);
       }
+      wp[r] += kBlock / 2;
+      ratio_p[r] += kBlock / kGroup;
+      zero_p[r] += kBlock / kGroup;
     }
+    xp += kBlock;
+    sums_p += kBlock / kGroup;
+    d_p += kBlock / kGroup;
   }
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < NB; ++b) {
@@ -417,7 +432,8 @@ VLM_TARGET_AVX2 void TileAvx2(const QuantizedX& x, int64_t b0, const Int4Weight&
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros() + row * groups + gh)));
       for (int b = 0; b < NB; ++b) {
         const int64_t xb = (b0 + b) * groups + gh;
-        const __m256i zs = _mm256_mullo_epi32(
+        // z·Σxq as in TileVnni (VPMADDWD: both fit 16 bits).
+        const __m256i zs = _mm256_madd_epi16(
             z, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums.data() + xb)));
         const __m256i isum = _mm256_sub_epi32(acc[b], zs);
         const __m256 scale = _mm256_mul_ps(ratio, _mm256_loadu_ps(x.d.data() + xb));
