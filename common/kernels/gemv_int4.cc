@@ -284,14 +284,16 @@ constexpr int64_t kPrefetchLead = 2048;
 // (|Σ 16·u·xq| ≤ 16·16·15·127 per lane), so the split over the nibble
 // accumulators and the shift change nothing. z·Σxq by VPMADDWD (z ≤ 15 and
 // |Σxq| ≤ 32·127 fit the low 16 bits; the high halves give 0·(±1)).
-// Pointers advance per block: the loop holds no index arithmetic.
+// Pointers advance per block: the loop holds no index arithmetic. `tiles`
+// consecutive tiles of R rows from r0, one after the other (the set-up once).
 template <int R, int NB>
-VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w, int64_t r0,
-                                     const Output& out) {
+VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w,
+                                     int64_t first_row, int64_t tiles, const Output& out) {
   const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
   const int64_t rb = w.row_bytes();
   const int64_t ahead = (R - 1) * rb + kPrefetchLead;
   const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+  for (int64_t r0 = first_row; r0 < first_row + tiles * R; r0 += R) {
   const uint8_t* wp[R];
   const uint16_t* ratio_p[R];
   const uint8_t* zero_p[R];
@@ -360,30 +362,39 @@ VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4
       out.Store(b0 + b, r0 + r, Finish(w, r0 + r, x, b0 + b, ReduceLanes512(facc[r][b])));
     }
   }
+  }
 }
 
+// `tiles` tiles of R rows from r0. Up to 4 batch rows: one call over every
+// tile. More: per tile, every batch tile, so the tile's weights are read
+// from memory once and then from L1/L2.
 template <int R>
-VLM_TARGET_AVX512_VNNI void RowTileVnni(const QuantizedX& x, const Int4Weight& w, int64_t r0,
-                                 const Output& out) {
-  for (int64_t b0 = 0; b0 < x.batch; b0 += 4) {
+VLM_TARGET_AVX512_VNNI void RowTilesVnni(const QuantizedX& x, const Int4Weight& w, int64_t r0,
+                                         int64_t tiles, const Output& out) {
+  auto run = [&](int64_t b0, int64_t first, int64_t count) {
     switch (std::min<int64_t>(4, x.batch - b0)) {
-      case 1: TileVnni<R, 1>(x, b0, w, r0, out); break;
-      case 2: TileVnni<R, 2>(x, b0, w, r0, out); break;
-      case 3: TileVnni<R, 3>(x, b0, w, r0, out); break;
-      default: TileVnni<R, 4>(x, b0, w, r0, out); break;
+      case 1: TileVnni<R, 1>(x, b0, w, first, count, out); break;
+      case 2: TileVnni<R, 2>(x, b0, w, first, count, out); break;
+      case 3: TileVnni<R, 3>(x, b0, w, first, count, out); break;
+      default: TileVnni<R, 4>(x, b0, w, first, count, out); break;
     }
+  };
+  if (x.batch <= 4) return run(0, r0, tiles);
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t b0 = 0; b0 < x.batch; b0 += 4) run(b0, r0 + t * R, 1);
   }
 }
 
 // B = 1: one row at a time (one sequential stream per thread); B ≥ 2: pairs
 // of rows, which halve the loads of x.
 VLM_TARGET_AVX512_VNNI void RowsVnni(const QuantizedX& x, const Int4Weight& w, const Output& out,
-                              int64_t r0, int64_t r1) {
+                                     int64_t r0, int64_t r1) {
   int64_t r = r0;
   if (x.batch >= 2) {
-    for (; r + 2 <= r1; r += 2) RowTileVnni<2>(x, w, r, out);
+    RowTilesVnni<2>(x, w, r, (r1 - r) / 2, out);
+    r += (r1 - r) / 2 * 2;
   }
-  for (; r < r1; ++r) RowTileVnni<1>(x, w, r, out);
+  RowTilesVnni<1>(x, w, r, r1 - r, out);
   _mm256_zeroupper();
 }
 
