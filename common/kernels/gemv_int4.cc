@@ -509,8 +509,8 @@ bool GemvInt4PathSupported(GemvInt4Path path, std::string* missing) {
       if (missing != nullptr) *missing = "AVX2 with FMA";
       return false;
     case GemvInt4Path::kAvx512Vnni:
-      if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni) return true;
-      if (missing != nullptr) *missing = "AVX-512 VNNI (with F/BW/VL)";
+      if (f.fast_bf16_matmul() && f.avx512vnni) return true;
+      if (missing != nullptr) *missing = "AVX-512 VNNI (with F/BW/VL/DQ)";
       return false;
   }
   return false;
