@@ -6,7 +6,9 @@
 // and zero point.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <new>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -16,17 +18,10 @@
 #include "common/kernels/gemm_internal.h"
 #include "common/kernels/gemv_int4.h"
 #include "common/kernels/quantize_int4.h"
-
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
+#include "common/kernels/simd.h"
 
 namespace vlm::kernels {
 namespace {
-
-#define VLM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 using internal::kPanelCols;
 
@@ -34,7 +29,7 @@ using internal::kPanelCols;
 constexpr int64_t kAhead = kInt4Block / 2;
 
 // Rows 0..15 of `r` transposed in place: afterwards r[c] lane i = old r[i] lane c.
-VLM_TARGET inline void Transpose16(__m512i r[16]) {
+VLM_TARGET_AVX512_BF16 inline void Transpose16(__m512i r[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -58,22 +53,22 @@ VLM_TARGET inline void Transpose16(__m512i r[16]) {
   }
 }
 
-// bf16(scale(r, k / 32)·(u - z)) of element k of row r (a tail group or the
-// portable path).
+// bf16(scale(r, k / 32)·(u - z)) of element k of row r (the AVX-512 fill's
+// tail groups; the AVX2 fill computes the same products 8 at a time).
 uint16_t Element(const Int4Weight& w, int64_t r, int64_t k) {
   if (r < 0 || k >= w.k_padded()) return 0;
-  return c10::BFloat16(w.scale(r, k / kInt4Group) * static_cast<float>(w.value(r, k))).x;
+  return simd::F32ToBf16(w.scale(r, k / kInt4Group) * static_cast<float>(w.value(r, k)));
 }
 
 // One k-pair of 16 panel columns: (even[i], odd[i]) as bf16 pairs.
-VLM_TARGET inline void StorePairs(uint16_t* p, __m512i interleave, __m512 even, __m512 odd) {
+VLM_TARGET_AVX512_BF16 inline void StorePairs(uint16_t* p, __m512i interleave, __m512 even, __m512 odd) {
   _mm512_store_si512(p, _mm512_permutexvar_epi16(
                             interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even))));
 }
 
 // Panel columns [16h, 16h + 16) of one panel (dst: its first k-pair) from the
 // rows rows[0..16) (-1: past the weight, zero).
-VLM_TARGET void FillHalfPanel(const Int4Weight& w, const int64_t rows[16], int h, int64_t kpairs,
+VLM_TARGET_AVX512_BF16 void FillHalfPanel(const Int4Weight& w, const int64_t rows[16], int h, int64_t kpairs,
                               uint16_t* dst) {
   const int64_t kp = w.k_padded(), groups = w.groups();
   const int64_t full = kp / kInt4Block * kInt4Block;
@@ -141,22 +136,65 @@ VLM_TARGET void FillHalfPanel(const Int4Weight& w, const int64_t rows[16], int h
   }
 }
 
-// FillHalfPanel in portable code (the avx2 path): the same bf16 values.
-void FillHalfPanelScalar(const Int4Weight& w, const int64_t rows[16], int h, int64_t kpairs,
-                         uint16_t* dst) {
-  for (int i = 0; i < 16; ++i) {
-    for (int64_t pair = 0; pair < kpairs; ++pair) {
-      for (int e = 0; e < 2; ++e) {
-        dst[(pair * kPanelCols + 16 * h + i) * 2 + e] = Element(w, rows[i], 2 * pair + e);
-      }
+// Row r's bf16 values scale(r, g)·(u - z), k_padded of them in natural order
+// (Element's products, 8 at a time).
+VLM_TARGET_AVX2 void DecodeRowAvx2(const Int4Weight& w, int64_t r, uint16_t* out) {
+  const int64_t kp = w.k_padded(), full = kp / kInt4Block * kInt4Block;
+  const uint8_t* row = w.row(r);
+  const __m128i nibble = _mm_set1_epi8(15);
+  for (int64_t g = 0; g < kp / kInt4Group; ++g) {
+    const int64_t k0 = g * kInt4Group;
+    __m128i lo, hi;  // u of elements 0-15 and 16-31 of the group, one byte each
+    if (k0 < full) {
+      // Chunk c's dword of lane g % 16: elements 8c..8c+3 low, 8c+4..8c+7 high.
+      const uint8_t* lane = row + k0 / kInt4Block * (kInt4Block / 2) + 4 * (g % 16);
+      uint32_t d[4];
+      for (int c = 0; c < 4; ++c) std::memcpy(&d[c], lane + 64 * c, 4);
+      const __m128i v = _mm_setr_epi32(static_cast<int>(d[0]), static_cast<int>(d[1]),
+                                       static_cast<int>(d[2]), static_cast<int>(d[3]));
+      const __m128i l = _mm_and_si128(v, nibble), h = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+      lo = _mm_unpacklo_epi32(l, h);
+      hi = _mm_unpackhi_epi32(l, h);
+    } else {
+      // Tail group: byte i holds element i (low) and i + 16 (high).
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k0 / 2));
+      lo = _mm_and_si128(v, nibble);
+      hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+    }
+    const __m256 scale = _mm256_set1_ps(w.scale(r, g));
+    const __m256i z = _mm256_set1_epi32(w.zero(r, g));
+    const __m128i eights[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int j = 0; j < 4; ++j) {
+      const __m256i value = _mm256_sub_epi32(_mm256_cvtepu8_epi32(eights[j]), z);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k0 + 8 * j),
+                       simd::Bf16x8(_mm256_mul_ps(_mm256_cvtepi32_ps(value), scale)));
     }
   }
 }
 
+// FillHalfPanel for AVX2 CPUs: each row decoded once, then its k-pairs
+// written down its panel column. The same bf16 values as Element.
+VLM_TARGET_AVX2 void FillHalfPanelAvx2(const Int4Weight& w, const int64_t rows[16], int h,
+                                       int64_t kpairs, uint16_t* dst) {
+  thread_local std::vector<uint16_t> values;  // one row's, natural order
+  const int64_t row_pairs = std::min(kpairs, w.k_padded() / 2);
+  values.resize(w.k_padded());
+  for (int i = 0; i < 16; ++i) {
+    uint16_t* out = dst + (16 * h + i) * 2;
+    int64_t pair = 0;
+    if (rows[i] >= 0) {
+      DecodeRowAvx2(w, rows[i], values.data());
+      for (; pair < row_pairs; ++pair) std::memcpy(out + pair * kPanelCols * 2, &values[2 * pair], 4);
+    }
+    for (; pair < kpairs; ++pair) std::memset(out + pair * kPanelCols * 2, 0, 4);
+  }
+  _mm256_zeroupper();
+}
+
 class Int4Panels : public internal::PanelSource {
  public:
-  Int4Panels(const Int4Weight& w, bool gate_up, int64_t n, int64_t kpairs, bool portable)
-      : w_(w), gate_up_(gate_up), portable_(portable), n_(n), kpairs_(kpairs) {}
+  Int4Panels(const Int4Weight& w, bool gate_up, int64_t n, int64_t kpairs, bool avx2)
+      : w_(w), gate_up_(gate_up), avx2_(avx2), n_(n), kpairs_(kpairs) {}
 
   void Fill(int64_t j0, int64_t j1, uint16_t* out) const override {
     for (int64_t j = j0; j < j1; ++j) {
@@ -168,7 +206,7 @@ class Int4Panels : public internal::PanelSource {
           const int64_t col = gate_up_ ? 16 * j + i : kPanelCols * j + 16 * h + i;
           rows[i] = col >= n_ ? -1 : gate_up_ && h == 1 ? n_ + col : col;
         }
-        if (portable_) FillHalfPanelScalar(w_, rows, h, kpairs_, dst);
+        if (avx2_) FillHalfPanelAvx2(w_, rows, h, kpairs_, dst);
         else FillHalfPanel(w_, rows, h, kpairs_, dst);
       }
     }
@@ -176,7 +214,7 @@ class Int4Panels : public internal::PanelSource {
 
  private:
   const Int4Weight& w_;
-  const bool gate_up_, portable_;
+  const bool gate_up_, avx2_;
   const int64_t n_, kpairs_;
 };
 

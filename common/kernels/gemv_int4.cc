@@ -14,14 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
+#include "common/kernels/path_override.h"
 #include "common/kernels/quantize.h"
+#include "common/kernels/simd.h"
 #include "common/kernels/thread_pool.h"
-
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
 
 namespace vlm::kernels {
 namespace {
@@ -79,15 +75,12 @@ struct QuantizedX {
   }
 };
 
-float ToF32(const float* p, int64_t i) { return p[i]; }
-float ToF32(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+using simd::ToF32;
 
 // Helpers the vector kernels call per row are inlined into them (compiled
 // for their target): a call into generic SSE code from AVX-512 code with
 // zmm16-31 in use runs it with a dirty upper state, many times slower.
-#define VLM_INLINE __attribute__((always_inline)) inline
-
-VLM_INLINE float HalfToFloat(uint16_t bits) {
+[[gnu::always_inline]] inline float HalfToFloat(uint16_t bits) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
@@ -99,14 +92,14 @@ void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
   for (int64_t g = 0; g < kp / kGroup; ++g) {
     const int64_t k0 = g * kGroup, k1 = std::min(k, k0 + kGroup);
     float amax = 0;
-    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src, i)));
+    for (int64_t i = k0; i < k1; ++i) amax = std::max(amax, std::fabs(ToF32(src[i])));
     const float scale = amax / kXLimit;
     const float inv = scale > 0 ? 1.0f / scale : 0.0f;
     int32_t sum = 0;
     for (int64_t i = k0; i < k0 + kGroup; ++i) {
       const int8_t v =
           i < k1 ? static_cast<int8_t>(
-                       std::clamp(std::nearbyint(ToF32(src, i) * inv), -kXLimit, kXLimit))
+                       std::clamp(std::nearbyint(ToF32(src[i]) * inv), -kXLimit, kXLimit))
                  : int8_t{0};
       q[i] = v;
       sum += v;
@@ -117,25 +110,15 @@ void QuantizeRowScalar(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
   }
 }
 
-#define VLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#define VLM_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-VLM_TARGET_VNNI inline __m512 Load16(const float* src, int64_t i0, int64_t k) {
-  if (i0 + 16 <= k) return _mm512_loadu_ps(src + i0);
-  if (i0 >= k) return _mm512_setzero_ps();
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (k - i0)) - 1), src + i0);
-}
-VLM_TARGET_VNNI inline __m512 Load16(const c10::BFloat16* src, int64_t i0, int64_t k) {
-  __m256i h;
-  if (i0 + 16 <= k) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i0));
-  else if (i0 >= k) h = _mm256_setzero_si256();
-  else h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << (k - i0)) - 1), src + i0);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// Elements [i0, i0 + 16) of a row of k, zero past k.
+template <typename T>
+VLM_TARGET_AVX512_VNNI inline __m512 Load16(const T* src, int64_t i0, int64_t k) {
+  return simd::Load16(src + i0, simd::Mask16(k - i0));
 }
 
 // round(v·inv) clamped to ±127 as int8 (VCVTPS2DQ rounds to nearest even,
 // as std::nearbyint does in the default mode).
-VLM_TARGET_VNNI inline __m128i Quantize16(__m512 v, __m512 inv) {
+VLM_TARGET_AVX512_VNNI inline __m128i Quantize16(__m512 v, __m512 inv) {
   const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
   return _mm512_cvtepi32_epi8(
       _mm512_max_epi32(_mm512_min_epi32(r, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127)));
@@ -143,7 +126,7 @@ VLM_TARGET_VNNI inline __m128i Quantize16(__m512 v, __m512 inv) {
 
 // QuantizeRowScalar with AVX-512: the same f32 operations, the same bytes.
 template <typename T>
-VLM_TARGET_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
+VLM_TARGET_AVX512_VNNI void QuantizeRowVnni(const T* src, int64_t k, int64_t kp, int8_t* q, float* d,
                                      int32_t* sums, int8_t* x8) {
   const __m256i quad_slots = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
   const int64_t full_groups = kp / kBlock * kBlock / kGroup;
@@ -206,15 +189,15 @@ struct Output {
   void* y = nullptr;
   bool bf16 = false;
   int64_t n = 0;
-  VLM_INLINE void Store(int64_t b, int64_t row, float v) const {
-    if (bf16) static_cast<c10::BFloat16*>(y)[b * n + row] = c10::BFloat16(v);
+  [[gnu::always_inline]] void Store(int64_t b, int64_t row, float v) const {
+    if (bf16) static_cast<uint16_t*>(y)[b * n + row] = simd::F32ToBf16(v);
     else static_cast<float*>(y)[b * n + row] = v;
   }
 };
 
 // Exact Σ (u - z)·q over group g of row r (natural order, for tail groups
 // and the scalar path).
-VLM_INLINE int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int8_t* xq) {
+[[gnu::always_inline]] inline int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int8_t* xq) {
   const int z = w.zero(r, g);
   int32_t isum = 0;
   for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) {
@@ -225,7 +208,7 @@ VLM_INLINE int32_t GroupSum(const Int4Weight& w, int64_t r, int64_t g, const int
 
 // The 16 lane sums of the full blocks by a fixed tree: lane i + lane i + 8,
 // then + 4, + 2, + 1 (the vector paths do the same adds on register halves).
-VLM_INLINE float ReduceLanes(const float lanes[16]) {
+[[gnu::always_inline]] inline float ReduceLanes(const float lanes[16]) {
   float t[8];
   for (int i = 0; i < 8; ++i) t[i] = lanes[i] + lanes[i + 8];
   for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
@@ -235,7 +218,7 @@ VLM_INLINE float ReduceLanes(const float lanes[16]) {
 
 // The f32 part shared by every path after the lanes' tree (`sum`): the tail
 // groups (one FMA each, in order), then the row scale.
-VLM_INLINE float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int64_t b, float sum) {
+[[gnu::always_inline]] inline float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int64_t b, float sum) {
   const int64_t full_groups = x.k_padded / kBlock * kBlock / kGroup;
   const int8_t* xq = x.q.data() + b * x.k_padded;
   for (int64_t g = full_groups; g < x.groups; ++g) {
@@ -246,10 +229,21 @@ VLM_INLINE float Finish(const Int4Weight& w, int64_t r, const QuantizedX& x, int
 }
 
 // ReduceLanes after its first step, on a register of t[0..8).
-VLM_TARGET_AVX2 VLM_INLINE float ReduceLanes256(__m256 t8) {
+VLM_INLINE_AVX2 float ReduceLanes256(__m256 t8) {
   const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
   const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));           // t0 + t2, t1 + t3
   return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));          // + t1
+}
+
+// 8 finite f16 bit patterns -> f32, exact (subnormals included) without
+// F16C: exponent and mantissa moved into f32 position, then scaled by
+// 2^(127 - 15); the sign copied.
+VLM_INLINE_AVX2 __m256 HalfToF32x8(__m128i h) {
+  const __m256i v = _mm256_cvtepu16_epi32(h);
+  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7FFF)), 13);
+  const __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(_mm256_set1_epi32(0x77800000)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16);
+  return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
 }
 
 // --- scalar --------------------------------------------------------------------
@@ -271,27 +265,46 @@ void RowsScalar(const QuantizedX& x, const Int4Weight& w, const Output& out, int
 
 // --- avx512vnni ------------------------------------------------------------------
 // ReduceLanes on a register: the same adds in the same order.
-VLM_TARGET_VNNI VLM_INLINE float ReduceLanes512(__m512 v) {
+VLM_TARGET_AVX512_VNNI [[gnu::always_inline]] inline float ReduceLanes512(__m512 v) {
   const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v),
                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  return ReduceLanes256(t8);
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 
 // Software prefetch into L2, this far past the furthest row of a tile (as GemvInt8).
 constexpr int64_t kPrefetchLead = 2048;
 
 // A tile of R weight rows × NB batch rows (NB ≤ 4). Per 64-byte chunk of a
-// row (128 weights): low nibbles (AND 0x0F) and high nibbles (shift, AND),
-// each a u8 vector whose lane l holds 4 weights of group l, one VPDPBUSD each
-// with the int8 activations. Integer sums exact (|Σ u·xq| ≤ 32·15·127), so
-// the split over the two nibble accumulators changes nothing.
+// row (128 weights): the low nibbles (AND 0x0F) and the high nibbles in
+// place (AND 0xF0, i.e. 16·u), each a u8 vector whose lane l holds 4 weights
+// of group l, one VPDPBUSD each with the int8 activations; the high sums,
+// multiples of 16, are shifted back once per block. Integer sums exact
+// (|Σ 16·u·xq| ≤ 16·16·15·127 per lane), so the split over the nibble
+// accumulators and the shift change nothing. z·Σxq by VPMADDWD (z ≤ 15 and
+// |Σxq| ≤ 32·127 fit the low 16 bits; the high halves give 0·(±1)).
+// Pointers advance per block: the loop holds no index arithmetic. `tiles`
+// consecutive tiles of R rows from r0, one after the other (the set-up once).
 template <int R, int NB>
-VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w, int64_t r0,
-                              const Output& out) {
+VLM_TARGET_AVX512_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight& w,
+                                     int64_t first_row, int64_t tiles, const Output& out) {
   const int64_t kp = x.k_padded, full = kp / kBlock * kBlock, groups = x.groups;
   const int64_t rb = w.row_bytes();
   const int64_t ahead = (R - 1) * rb + kPrefetchLead;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F);
+  for (int64_t r0 = first_row; r0 < first_row + tiles * R; r0 += R) {
+  const uint8_t* wp[R];
+  const uint16_t* ratio_p[R];
+  const uint8_t* zero_p[R];
+  for (int r = 0; r < R; ++r) {
+    wp[r] = w.row(r0 + r);
+    ratio_p[r] = w.ratios() + (r0 + r) * groups;
+    zero_p[r] = w.zeros() + (r0 + r) * groups;
+  }
+  const int8_t* xp = x.x8.data() + b0 * kp;
+  const int32_t* sums_p = x.sums.data() + b0 * groups;
+  const float* d_p = x.d.data() + b0 * groups;
   __m512 facc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) facc[r][b] = _mm512_setzero_ps();
@@ -306,16 +319,15 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight&
       __m512i wl[R], wh[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const uint8_t* wp = w.row(r0 + r) + s / 2 + 64 * c;
-        _mm_prefetch(reinterpret_cast<const char*>(wp + ahead), _MM_HINT_T1);
-        const __m512i v = _mm512_loadu_si512(wp);
-        wl[r] = _mm512_and_si512(v, mask);
-        wh[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        _mm_prefetch(reinterpret_cast<const char*>(wp[r] + 64 * c + ahead), _MM_HINT_T1);
+        const __m512i v = _mm512_loadu_si512(wp[r] + 64 * c);
+        wl[r] = _mm512_and_si512(v, lo_mask);
+        wh[r] = _mm512_andnot_si512(lo_mask, v);
       }
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const int8_t* xp = x.x8.data() + (b0 + b) * kp + s + 128 * c;
-        const __m512i x0 = _mm512_loadu_si512(xp), x1 = _mm512_loadu_si512(xp + 64);
+        const __m512i x0 = _mm512_loadu_si512(xp + b * kp + 128 * c);
+        const __m512i x1 = _mm512_loadu_si512(xp + b * kp + 128 * c + 64);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           acc[r][b][c % 2] = _mm512_dpbusd_epi32(acc[r][b][c % 2], wl[r], x0);
@@ -323,56 +335,66 @@ VLM_TARGET_VNNI void TileVnni(const QuantizedX& x, int64_t b0, const Int4Weight&
         }
       }
     }
-    const int64_t g0 = s / kGroup;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r;
-      const __m512 ratio = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.ratios() + row * groups + g0)));
-      const __m512i z = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros() + row * groups + g0)));
+      const __m512 ratio =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ratio_p[r])));
+      const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero_p[r])));
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const int64_t xb = (b0 + b) * groups + g0;
-        const __m512i zs = _mm512_mullo_epi32(z, _mm512_loadu_si512(x.sums.data() + xb));
-        const __m512i isum = _mm512_sub_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(acc[r][b][0], acc[r][b][1]),
-                             _mm512_add_epi32(acc[r][b][2], acc[r][b][3])),
-            zs);
-        const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(x.d.data() + xb));
+        const __m512i zs = _mm512_madd_epi16(z, _mm512_loadu_si512(sums_p + b * groups));
+        const __m512i lo = _mm512_add_epi32(acc[r][b][0], acc[r][b][1]);
+        const __m512i hi16 = _mm512_add_epi32(acc[r][b][2], acc[r][b][3]);
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(lo, _mm512_srai_epi32(hi16, 4)), zs);
+        const __m512 scale = _mm512_mul_ps(ratio, _mm512_loadu_ps(d_p + b * groups));
         facc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, facc[r][b]);
       }
+      wp[r] += kBlock / 2;
+      ratio_p[r] += kBlock / kGroup;
+      zero_p[r] += kBlock / kGroup;
     }
+    xp += kBlock;
+    sums_p += kBlock / kGroup;
+    d_p += kBlock / kGroup;
   }
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < NB; ++b) {
       out.Store(b0 + b, r0 + r, Finish(w, r0 + r, x, b0 + b, ReduceLanes512(facc[r][b])));
     }
   }
+  }
 }
 
+// `tiles` tiles of R rows from r0. Up to 4 batch rows: one call over every
+// tile. More: per tile, every batch tile, so the tile's weights are read
+// from memory once and then from L1/L2.
 template <int R>
-VLM_TARGET_VNNI void RowTileVnni(const QuantizedX& x, const Int4Weight& w, int64_t r0,
-                                 const Output& out) {
-  for (int64_t b0 = 0; b0 < x.batch; b0 += 4) {
+VLM_TARGET_AVX512_VNNI void RowTilesVnni(const QuantizedX& x, const Int4Weight& w, int64_t r0,
+                                         int64_t tiles, const Output& out) {
+  auto run = [&](int64_t b0, int64_t first, int64_t count) {
     switch (std::min<int64_t>(4, x.batch - b0)) {
-      case 1: TileVnni<R, 1>(x, b0, w, r0, out); break;
-      case 2: TileVnni<R, 2>(x, b0, w, r0, out); break;
-      case 3: TileVnni<R, 3>(x, b0, w, r0, out); break;
-      default: TileVnni<R, 4>(x, b0, w, r0, out); break;
+      case 1: TileVnni<R, 1>(x, b0, w, first, count, out); break;
+      case 2: TileVnni<R, 2>(x, b0, w, first, count, out); break;
+      case 3: TileVnni<R, 3>(x, b0, w, first, count, out); break;
+      default: TileVnni<R, 4>(x, b0, w, first, count, out); break;
     }
+  };
+  if (x.batch <= 4) return run(0, r0, tiles);
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t b0 = 0; b0 < x.batch; b0 += 4) run(b0, r0 + t * R, 1);
   }
 }
 
 // B = 1: one row at a time (one sequential stream per thread); B ≥ 2: pairs
 // of rows, which halve the loads of x.
-VLM_TARGET_VNNI void RowsVnni(const QuantizedX& x, const Int4Weight& w, const Output& out,
-                              int64_t r0, int64_t r1) {
+VLM_TARGET_AVX512_VNNI void RowsVnni(const QuantizedX& x, const Int4Weight& w, const Output& out,
+                                     int64_t r0, int64_t r1) {
   int64_t r = r0;
   if (x.batch >= 2) {
-    for (; r + 2 <= r1; r += 2) RowTileVnni<2>(x, w, r, out);
+    RowTilesVnni<2>(x, w, r, (r1 - r) / 2, out);
+    r += (r1 - r) / 2 * 2;
   }
-  for (; r < r1; ++r) RowTileVnni<1>(x, w, r, out);
+  RowTilesVnni<1>(x, w, r, r1 - r, out);
   _mm256_zeroupper();
 }
 
@@ -415,13 +437,14 @@ VLM_TARGET_AVX2 void TileAvx2(const QuantizedX& x, int64_t b0, const Int4Weight&
         }
       }
       const int64_t gh = g0 + 8 * h;
-      const __m256 ratio = _mm256_cvtph_ps(
+      const __m256 ratio = HalfToF32x8(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.ratios() + row * groups + gh)));
       const __m256i z = _mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros() + row * groups + gh)));
       for (int b = 0; b < NB; ++b) {
         const int64_t xb = (b0 + b) * groups + gh;
-        const __m256i zs = _mm256_mullo_epi32(
+        // z·Σxq as in TileVnni (VPMADDWD: both fit 16 bits).
+        const __m256i zs = _mm256_madd_epi16(
             z, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums.data() + xb)));
         const __m256i isum = _mm256_sub_epi32(acc[b], zs);
         const __m256 scale = _mm256_mul_ps(ratio, _mm256_loadu_ps(x.d.data() + xb));
@@ -482,35 +505,21 @@ bool GemvInt4PathSupported(GemvInt4Path path, std::string* missing) {
     case GemvInt4Path::kScalar:
       return true;
     case GemvInt4Path::kAvx2:
-      if (f.avx2 && f.fma && f.f16c) return true;
-      if (missing != nullptr) *missing = "AVX2 with FMA and F16C";
+      if (f.avx2 && f.fma) return true;
+      if (missing != nullptr) *missing = "AVX2 with FMA";
       return false;
     case GemvInt4Path::kAvx512Vnni:
-      if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512vnni) return true;
-      if (missing != nullptr) *missing = "AVX-512 VNNI (with F/BW/VL)";
+      if (f.fast_bf16_matmul() && f.avx512vnni) return true;
+      if (missing != nullptr) *missing = "AVX-512 VNNI (with F/BW/VL/DQ)";
       return false;
   }
   return false;
 }
 
 GemvInt4Path DefaultGemvInt4Path() {
-  static const GemvInt4Path path = [] {
-    const char* env = std::getenv("VLM_GEMV_INT4_PATH");
-    if (env == nullptr || *env == '\0') return BestPath();
-    absl::StatusOr<GemvInt4Path> p = ParseGemvInt4Path(env);
-    if (!p.ok()) {
-      std::fprintf(stderr, "VLM_GEMV_INT4_PATH ignored: %s\n",
-                   std::string(p.status().message()).c_str());
-      return BestPath();
-    }
-    std::string missing;
-    if (!GemvInt4PathSupported(*p, &missing)) {
-      std::fprintf(stderr, "VLM_GEMV_INT4_PATH=%s ignored: this CPU lacks %s\n", env,
-                   missing.c_str());
-      return BestPath();
-    }
-    return *p;
-  }();
+  static const GemvInt4Path path = internal::PathFromEnvironment(
+      "VLM_GEMV_INT4_PATH", BestPath(), ParseGemvInt4Path,
+      [](GemvInt4Path p, std::string* missing) { return GemvInt4PathSupported(p, missing); });
   return path;
 }
 

@@ -18,8 +18,9 @@
 // Quantization per group: lo = min(min w, 0), hi = max(max w, 0),
 // s = (hi - lo) / 15 (f32); row_scale = max over the row's groups of s;
 // ratio = f16(s / row_scale) in [0, 1]; scale = row_scale·ratio (f32);
-// z = clamp(round(-lo / scale), 0, 15), u = clamp(round(w·(1/scale)) + z, 0, 15)
-// (round-to-nearest-even); an all-zero group has scale 0, z = 0, u = 0.
+// z = clamp(round(-lo·(1/scale)), 0, 15), u = clamp(round(w·(1/scale)) + z, 0, 15)
+// (round-to-nearest-even; the clamp sends NaN, from a scale so small that
+// 1/scale overflows, to 0); an all-zero group has scale 0, z = 0, u = 0.
 //
 // Layout: three flat arrays, which a packed-weight file can store and map
 // as they are (Int4Weight::View):
@@ -65,6 +66,10 @@ inline void Int4StoredPosition(int64_t k, int64_t k_padded, int64_t* byte, bool*
   *byte = s * (kInt4Block / 2) + (quad / 2) * 64 + 4 * l + w % 4;
   *high = quad % 2 == 1;
 }
+
+// How a row is quantized: every path gives the same bytes (the f32 steps
+// above, in the same order, on every path).
+enum class QuantizeInt4Path { kAvx512, kAvx2, kScalar };
 
 class Int4Weight {
  public:
@@ -115,7 +120,8 @@ class Int4Weight {
   float scale(int64_t r, int64_t g) const;
 
  private:
-  friend absl::StatusOr<Int4Weight> QuantizeInt4(const at::Tensor& w);
+  friend absl::StatusOr<Int4Weight> QuantizeInt4(const at::Tensor& w, QuantizeInt4Path path,
+                                                 int threads);
   std::shared_ptr<const uint8_t> packed_;
   std::shared_ptr<const float> row_scales_;
   std::shared_ptr<const uint16_t> ratios_;
@@ -123,10 +129,19 @@ class Int4Weight {
   int64_t n_ = 0, k_ = 0, k_padded_ = 0;
 };
 
+const char* QuantizeInt4PathName(QuantizeInt4Path path);
+// Whether the CPU (capped by VLM_ISA, cpu_features.h) runs `path`.
+bool QuantizeInt4PathSupported(QuantizeInt4Path path);
+// The fastest supported path.
+QuantizeInt4Path BestQuantizeInt4Path();
+
 // w: [N, K] bf16 or f32 CPU tensor, any strides. INVALID_ARGUMENT for other
 // shapes/dtypes or non-finite values (named by row). Rows in parallel
-// (common/kernels/thread_pool.h).
+// (common/kernels/thread_pool.h) on `threads` threads (0: the pool's default),
+// on `path` (default the fastest; FAILED_PRECONDITION if the CPU cannot run it).
 absl::StatusOr<Int4Weight> QuantizeInt4(const at::Tensor& w);
+absl::StatusOr<Int4Weight> QuantizeInt4(const at::Tensor& w, QuantizeInt4Path path,
+                                        int threads = 0);
 
 // scale(n, k / 32)·(u[n, k] - z(n, k / 32)) as an f32 [N, K] tensor (tests and
 // references; the GEMM's panels hold these values rounded to bf16).

@@ -11,6 +11,8 @@
 // Shapes: K in full 512-blocks, tail groups and padding (40, 520, 1100),
 // N not a multiple of 16 or of the tasks' 64 rows.
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -96,6 +98,78 @@ TEST(QuantizeInt4Test, EdgeCasesAndBadInput) {
   EXPECT_NE(r.status().message().find("row 2"), std::string::npos) << r.status();
   EXPECT_FALSE(QuantizeInt4(at::randn({3, 4, 5})).ok());
   EXPECT_FALSE(QuantizeInt4(at::randn({3, 4}).to(at::kInt)).ok());
+}
+
+// Every array of two quantizations, byte for byte.
+void ExpectSameBytes(const Int4Weight& a, const Int4Weight& b) {
+  ASSERT_EQ(a.n(), b.n());
+  ASSERT_EQ(a.k(), b.k());
+  EXPECT_EQ(std::memcmp(a.packed(), b.packed(), a.packed_bytes()), 0) << "packed";
+  EXPECT_EQ(std::memcmp(a.row_scales(), b.row_scales(), a.row_scale_bytes()), 0) << "row scales";
+  EXPECT_EQ(std::memcmp(a.ratios(), b.ratios(), a.ratio_bytes()), 0) << "ratios";
+  EXPECT_EQ(std::memcmp(a.zeros(), b.zeros(), a.zero_bytes()), 0) << "zeros";
+}
+
+// Rows of the kinds the vector paths could get wrong: random, heavy-tailed,
+// all-equal groups (positive, negative), zeros, extremes near the largest
+// finite value (where hi - lo overflows to inf), denormals alone (1/scale
+// overflows) and mixed with normal values, one-signed rows, -0.
+at::Tensor EdgeRows(int64_t k) {
+  at::Tensor rows = at::randn({14, k}) * 0.02;
+  rows[1] = HeavyTailed(1, k)[0];
+  rows[2].fill_(0.375f);
+  rows[3].fill_(-1e-3f);
+  rows[4].zero_();
+  const float big = 3.3e38f;  // finite in bf16 too
+  rows[5] = at::where(at::randn({k}) > 0, at::full({k}, big), at::full({k}, -big));
+  rows[6] = (at::randn({k}) * 1e38).clamp(-big, big);
+  rows[7] = at::randn({k}) * 1e-40;  // f32 denormals (bf16 keeps some)
+  rows[8] = at::where(at::randn({k}) > 1, at::randn({k}), at::randn({k}) * 1e-39);
+  rows[9] = at::randn({k}).abs() * 0.1;
+  rows[10] = -at::randn({k}).abs() * 0.1;
+  rows[11].fill_(-0.0f);
+  rows[12] = at::randn({k}) * 1e-30;
+  // Groups of equal values, each group its own value.
+  at::Tensor g = at::randn({(k + 31) / 32}).repeat_interleave(32).slice(0, 0, k);
+  rows[13] = g;
+  return rows;
+}
+
+TEST(QuantizeInt4Test, EveryPathGivesTheScalarBytes) {
+  at::manual_seed(7);
+  for (int64_t k : {1, 31, 33, 40, 512, 520, 1100, 2048}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(::testing::Message() << "K=" << k << " dtype=" << dtype);
+      at::Tensor w = at::cat({EdgeRows(k), at::randn({50, k}) * 0.02}).to(dtype);
+      ASSERT_TRUE(at::isfinite(w).all().item<bool>());
+      absl::StatusOr<Int4Weight> ref = QuantizeInt4(w, QuantizeInt4Path::kScalar, 1);
+      ASSERT_TRUE(ref.ok()) << ref.status();
+      for (QuantizeInt4Path path :
+           {QuantizeInt4Path::kAvx512, QuantizeInt4Path::kAvx2, QuantizeInt4Path::kScalar}) {
+        if (!QuantizeInt4PathSupported(path)) continue;
+        SCOPED_TRACE(QuantizeInt4PathName(path));
+        for (int threads : {1, 2}) {
+          absl::StatusOr<Int4Weight> q = QuantizeInt4(w, path, threads);
+          ASSERT_TRUE(q.ok()) << q.status();
+          ExpectSameBytes(*ref, *q);
+        }
+        // Strided rows (a column slice) quantize as their contiguous copy.
+        const at::Tensor wide = at::cat({w, w}, 1);
+        absl::StatusOr<Int4Weight> sliced = QuantizeInt4(wide.slice(1, k, 2 * k), path);
+        ASSERT_TRUE(sliced.ok()) << sliced.status();
+        ExpectSameBytes(*ref, *sliced);
+        // A non-finite value anywhere in a row, on every path.
+        for (float v : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                        std::nanf("")}) {
+          at::Tensor bad = w.clone();
+          bad[9][k - 1] = v;
+          absl::StatusOr<Int4Weight> r = QuantizeInt4(bad, path);
+          ASSERT_FALSE(r.ok());
+          EXPECT_NE(r.status().message().find("row 9"), std::string::npos) << r.status();
+        }
+      }
+    }
+  }
 }
 
 TEST(QuantizeInt4Test, ViewOverExternalMemoryGivesTheSameProducts) {
