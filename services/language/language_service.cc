@@ -320,6 +320,23 @@ absl::Status LanguageService::PackOnly() {
   if (!config.ok()) return config.status();
   config_ = *std::move(config);
   if (absl::Status s = LoadDecoder(/*pack_only=*/true); !s.ok()) return s;
+  if (const auto& file = decoder_->layers().packed_file();
+      file != nullptr && decoder_->packed_file_outcome().state == "mapped") {
+    // An existing file: check every section (a full read, affordable here,
+    // not at a serving start) and rebuild it if one fails.
+    for (int l = 0; l < decoder_->layers().num_layers(); ++l) {
+      if (absl::Status v = file->VerifyGroup(l); !v.ok()) {
+        LogWarning(kLog, "packed weights rejected, rebuilding",
+                   {{"path", file->path()}, {"reason", "section_checksum"},
+                    {"error", v.ToString()}});
+        CountPackedFileRejection("section_checksum");
+        file->Discard();
+        decoder_.reset();
+        if (absl::Status s = LoadDecoder(/*pack_only=*/true); !s.ok()) return s;
+        break;
+      }
+    }
+  }
   const PackedFileOutcome& outcome = decoder_->packed_file_outcome();
   if (outcome.state != "built" && outcome.state != "mapped") {
     return absl::FailedPreconditionError(absl::StrCat(

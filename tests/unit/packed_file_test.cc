@@ -271,6 +271,7 @@ TEST_P(PackedFileTest, AnotherCheckpointsFileIsRebuilt) {
   PackedFileKey foreign;
   foreign.checkpoint = std::string(64, 'f');
   foreign.form = GetParam() == WeightDType::kInt8 ? "int8/g32-i512" : "packed/bf16-panels32";
+  foreign.stem = "other";
   auto writer = PackedFileWriter::Create(root_ + "/other", foreign);
   ASSERT_TRUE(writer.ok()) << writer.status();
   const std::string bytes(5000, '\1');

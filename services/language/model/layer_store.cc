@@ -280,6 +280,14 @@ std::string PackedCheckpointId(const SafetensorsCheckpoint& checkpoint) {
   return h.FinishHex();
 }
 
+std::string PackedFileStem(const SafetensorsCheckpoint& checkpoint) {
+  std::error_code ec;
+  const std::string file = checkpoint.files().empty() ? "" : checkpoint.files()[0];
+  std::filesystem::path dir = std::filesystem::absolute(file, ec).parent_path();
+  if (ec) dir = std::filesystem::path(file).parent_path();
+  return Sha256Hex(dir.lexically_normal().string()).substr(0, 16);
+}
+
 void AppendPackedSections(const std::string& name, const kernels::PackedWeight& w,
                           std::vector<NamedBytes>* out) {
   out->push_back({name + ".panels", w.panel_data(), w.panel_bytes()});
@@ -506,6 +514,7 @@ std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
   PackedFileKey key;
   key.checkpoint = PackedCheckpointId(ckpt);
   key.form = PackedFormName(form);
+  key.stem = PackedFileStem(ckpt);
   outcome->path = (std::filesystem::path(dir) / key.FileName()).string();
   {
     LoadPhaseTimer timer("language_packed_map");

@@ -168,6 +168,9 @@ std::string PackedFormName(ProjectionForm form);
 // each file's name, size and modification time (the fingerprint does not
 // hash tensor values: rewritten weights with the same headers change mtime).
 std::string PackedCheckpointId(const SafetensorsCheckpoint& checkpoint);
+// 16 hex digits of SHA-256 of the checkpoint's absolute directory: the packed
+// file's name (PackedFileKey::stem).
+std::string PackedFileStem(const SafetensorsCheckpoint& checkpoint);
 
 // One flat byte array of a packed-file group (views of memory held elsewhere).
 struct NamedBytes {

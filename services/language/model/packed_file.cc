@@ -141,8 +141,8 @@ std::string PackedFileKey::Text() const {
 }
 
 std::string PackedFileKey::FileName() const {
-  return absl::StrCat(checkpoint.substr(0, 16), "-", absl::StrReplaceAll(form, {{"/", "-"}}),
-                      ".vlmpack");
+  return absl::StrCat(stem.empty() ? checkpoint.substr(0, 16) : stem, "-",
+                      absl::StrReplaceAll(form, {{"/", "-"}}), ".vlmpack");
 }
 
 void CountPackedFileRejection(const std::string& reason) {

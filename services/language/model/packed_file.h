@@ -53,13 +53,15 @@ uint64_t PackedChecksum(const void* data, uint64_t size);
 
 // What a file must have been built from and for.
 struct PackedFileKey {
-  std::string checkpoint;  // PackedCheckpointId (config-independent headers, files' size/mtime)
+  std::string checkpoint;  // PackedCheckpointId (tensor headers, files' size/mtime)
   std::string form;        // the projection form's layout, e.g. "packed/bf16-panels32"
+  // Names the file, not part of the key: where the checkpoint lives
+  // (PackedFileStem), so that a checkpoint rewritten in place, or a new
+  // layout version, replaces its old file instead of adding one beside it.
+  std::string stem;
   // One line, stored in the header and compared whole at Open.
   std::string Text() const;
-  // "<first 16 hex of checkpoint>-<form with '/' as '-'>.vlmpack": one file per
-  // checkpoint and form in a directory; another layout version reuses the name
-  // (its file is rejected and replaced).
+  // "<stem>-<form with '/' as '-'>.vlmpack".
   std::string FileName() const;
 };
 
