@@ -698,6 +698,8 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
   const StoreMetrics& m = Metrics();
   store->layers_gauge_ = m.layers;
   store->bytes_gauge_ = &WeightBytesResidentGauge("layers");
+  store->created_ = std::chrono::steady_clock::now();
+  store->background_.assign(c.num_hidden_layers, 0);
   if (options.eager_load) {
     const int n = options.resident_layers > 0
                       ? std::min<int>(options.resident_layers, c.num_hidden_layers)
@@ -707,8 +709,6 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
       if (!handle.ok()) return handle.status();
     }
   }
-  store->created_ = std::chrono::steady_clock::now();
-  store->background_.assign(c.num_hidden_layers, 0);
   const bool background = options.background_materialize &&
                           (options.form != ProjectionForm::kDense || options.packed_file != nullptr);
   if (background) {
