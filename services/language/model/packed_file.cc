@@ -29,6 +29,16 @@ constexpr uint64_t kPage = 4096;
 
 uint64_t RoundUp(uint64_t v, uint64_t to) { return (v + to - 1) / to * to; }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+
+// Maps every page of [p, p + size) (read faults, from the page cache or the
+// disk) in one call where the kernel can; else false.
+bool PopulateRead(const uint8_t* p, uint64_t size) {
+  return size == 0 || ::madvise(const_cast<uint8_t*>(p), size, MADV_POPULATE_READ) == 0;
+}
+
 // --- XXH64 (the published algorithm, seed 0) --------------------------------
 constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull, kP2 = 0xC2B2AE3D27D4EB4Full,
                    kP3 = 0x165667B19E3779F9ull, kP4 = 0x85EBCA77C2B2AE63ull,
@@ -301,7 +311,10 @@ absl::Status PackedFile::VerifyGroup(int32_t group) const {
     g = &it->second;
     if (g->verified) return g->verdict;
   }
-  // Sections of a group hash in parallel: the read is the layer's page-in.
+  // Sections of a group hash in parallel: the read is the layer's page-in
+  // (its page tables filled in one call first where the kernel can: cheaper
+  // than a fault per page).
+  PopulateRead(base_ + g->begin, std::min(g->end, size_) - g->begin);
   const std::vector<size_t>& ids = g->sections;
   std::vector<char> bad(ids.size(), 0);
   kernels::ParallelFor(static_cast<int64_t>(ids.size()), 0, 1, [&](int64_t i0, int64_t i1) {
@@ -335,6 +348,10 @@ void PackedFile::PrefetchGroup(int32_t group) const {
 void PackedFile::TouchGroup(int32_t group) const {
   auto it = groups_->groups.find(group);
   if (it == groups_->groups.end()) return;
+  const uint64_t end = std::min(it->second.end, size_);
+  if (end > it->second.begin && PopulateRead(base_ + it->second.begin, end - it->second.begin)) {
+    return;
+  }
   uint64_t sum = 0;
   for (uint64_t o = it->second.begin; o < std::min(it->second.end, size_); o += kPage) {
     sum += *reinterpret_cast<const volatile uint8_t*>(base_ + o);
