@@ -42,7 +42,7 @@
 //   vlm-bench-language --structured [--model_dir DIR] [--decode_tokens 64]
 //
 // Start-up and memory with the packed-weight file (issue 21), old path beside:
-//   vlm-bench-language --startup [--startup_configs "bf16:;int8:--weight_dtype=int8"]
+//   vlm-bench-language --startup [--startup_configs "bf16:;int8:--weight_dtype=int8;int4:--weight_dtype=int4"]
 // prints, per configuration, with --packed_cache_dir= (old: convert in memory)
 // and with a fresh packed-weight directory (new): the first start (the new one
 // builds the file), then a start with the file present (page cache warm):
@@ -126,7 +126,7 @@ ABSL_FLAG(bool, structured, false,
 ABSL_FLAG(bool, startup, false,
           "print the start-up / memory table (packed-weight file vs converting in memory) "
           "instead of the serving table");
-ABSL_FLAG(std::string, startup_configs, "bf16:;int8:--weight_dtype=int8",
+ABSL_FLAG(std::string, startup_configs, "bf16:;int8:--weight_dtype=int8;int4:--weight_dtype=int4",
           "';'-separated NAME:FLAGS for --startup (FLAGS ','-separated vlm-language flags)");
 ABSL_FLAG(std::string, startup_dir, "",
           "parent of the temporary packed-weight directory for --startup (default: TMPDIR or /tmp)");
@@ -775,6 +775,10 @@ int StructuredBench(const std::string& binary, const std::string& dir) {
                                      std::max(1, std::min(r.streams, absl::GetFlag(FLAGS_threads))));
     std::printf("| masks per step as a share of a %d-stream decode step (%.1f ms) | %.1f%% |\n",
                 r.streams, step_ms, step_ms > 0 ? 100.0 * mask_ms / step_ms : 0.0);
+  }
+  return 0;
+}
+
 // --startup: one server start and its first request.
 struct StartRun {
   double serving_s = -1;      // process start -> SERVING
@@ -844,8 +848,8 @@ int StartupTable(const std::string& binary, const std::string& dir) {
         "--model_dir=" + dir, "--grpc_address=127.0.0.1:0", "--metrics_address=",
         absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)), "--log_level=warning"};
     for (absl::string_view f : absl::StrSplit(extra, ',', absl::SkipEmpty())) base.emplace_back(f);
-    const bool int8 = absl::StrContains(extra, "--weight_dtype=int8");
-    const double weights = DecodeWeightBytes(dir, int8, int8) / 1048576.0;
+    const LayerForm form = FormOf(extra);
+    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16) / 1048576.0;
     for (const bool packed : {false, true}) {
       Column col;
       col.name = absl::StrCat(name, packed ? ", packed file" : ", old (--packed_cache_dir=)");
