@@ -30,6 +30,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "common/cpu_features.h"
 #include "common/kernels/gemm.h"
 #include "common/kernels/gemv_int8.h"
 #include "common/metrics.h"
@@ -363,6 +364,33 @@ TEST_P(PackedFileTest, FullDiskPacksInMemoryAndLeavesNoTemporaryFile) {
   EXPECT_EQ(WriteFailures("disk_full"), before + 1);
   EXPECT_TRUE(fs::is_empty(dir_));  // the partial temporary file is removed
   EXPECT_TRUE(at::equal(loaded.logits, reference_.logits));
+}
+
+// int4 has no packed-file layout yet: the decoder loads, converts in memory,
+// says why, and writes nothing.
+TEST(PackedFileInt4Test, FormWithoutALayoutConvertsInMemoryAndWritesNothing) {
+  if (!GetCpuFeatures().fast_bf16_matmul()) GTEST_SKIP() << "int4 needs the bf16 compute dtype";
+  char tmpl[] = "/tmp/vlm_packed_test_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = std::string(tmpl) + "/packed";
+  auto ckpt = SafetensorsCheckpoint::Open(TinyDir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto config = LoadModelConfig(TinyDir());
+  ASSERT_TRUE(config.ok()) << config.status();
+  DecoderOptions o;
+  o.weight_dtype = WeightDType::kInt4;
+  o.packed_dir = dir;
+  auto d = Decoder::Load(std::shared_ptr<const SafetensorsCheckpoint>(*std::move(ckpt)), *config, o);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ((*d)->packed_file_outcome().state, "unavailable");
+  EXPECT_NE((*d)->packed_file_outcome().reason.find("no packed-file layout"), std::string::npos)
+      << (*d)->packed_file_outcome().reason;
+  EXPECT_FALSE(fs::exists(dir));
+  auto handle = (*d)->layers().Acquire(0);
+  EXPECT_TRUE(handle.ok()) << handle.status();
+  EXPECT_FALSE((*handle)->qkv4.empty());
+  std::error_code ec;
+  fs::remove_all(tmpl, ec);
 }
 
 INSTANTIATE_TEST_SUITE_P(Forms, PackedFileTest,
