@@ -28,7 +28,8 @@ struct PackedWeight::Impl {
   int64_t n = 0, k = 0;
   bool gate_up = false;
   // blocked family
-  uint16_t* panels = nullptr;  // 64-byte aligned, owned
+  uint16_t* panels = nullptr;  // 64-byte aligned, owned unless `owner` is set
+  std::shared_ptr<const void> owner;  // holds borrowed panels (FromPanels)
   int64_t kpairs = 0, count = 0;
   std::vector<float> bias;  // [n] or empty
   // torch family
@@ -36,7 +37,9 @@ struct PackedWeight::Impl {
   at::Tensor bias_tensor;        // f32 [n] or undefined
   uint64_t bytes = 0;
 
-  ~Impl() { ::operator delete(panels, std::align_val_t(64)); }
+  ~Impl() {
+    if (owner == nullptr) ::operator delete(panels, std::align_val_t(64));
+  }
   internal::Panels view() const { return {panels, k, kpairs, count}; }
 };
 
@@ -311,6 +314,51 @@ bool PackedWeight::has_bias() const {
   return impl_ && (!impl_->bias.empty() || impl_->bias_tensor.defined());
 }
 uint64_t PackedWeight::bytes() const { return impl_ ? impl_->bytes : 0; }
+
+const void* PackedWeight::panel_data() const {
+  return impl_ != nullptr && impl_->bias.empty() ? impl_->panels : nullptr;
+}
+
+uint64_t PackedWeight::panel_bytes() const {
+  if (panel_data() == nullptr) return 0;
+  return static_cast<uint64_t>(impl_->count * impl_->kpairs * 2 * kPanelCols) * sizeof(uint16_t);
+}
+
+uint64_t PackedWeight::PanelBytes(int64_t n, int64_t k, bool gate_up) {
+  const int64_t kpairs = (k + 31) / 32 * 16;
+  const int64_t count = (n + (gate_up ? 16 : kPanelCols) - 1) / (gate_up ? 16 : kPanelCols);
+  return static_cast<uint64_t>(count * kpairs * 2 * kPanelCols) * sizeof(uint16_t);
+}
+
+absl::StatusOr<PackedWeight> PackedWeight::FromPanels(int64_t n, int64_t k, bool gate_up,
+                                                      GemmPath path, const void* panels,
+                                                      uint64_t size,
+                                                      std::shared_ptr<const void> owner) {
+  if (!IsBlocked(path)) {
+    return absl::InvalidArgumentError("gemm: panels need a blocked path, not torch");
+  }
+  absl::StatusOr<GemmPath> p = ResolvePath(path);
+  if (!p.ok()) return p.status();
+  if (n < 1 || k < 1 || size != PanelBytes(n, k, gate_up) ||
+      reinterpret_cast<uintptr_t>(panels) % 64 != 0 || owner == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gemm: panels of [", n, ", ", k, "]", gate_up ? " gate/up" : "", " need ",
+        PanelBytes(n, k, gate_up), " bytes, 64-byte aligned, with an owner; got ", size));
+  }
+  auto impl = std::make_shared<Impl>();
+  impl->path = *p;
+  impl->n = n;
+  impl->k = k;
+  impl->gate_up = gate_up;
+  impl->kpairs = (k + 31) / 32 * 16;
+  impl->count = (n + (gate_up ? 16 : kPanelCols) - 1) / (gate_up ? 16 : kPanelCols);
+  impl->panels = static_cast<uint16_t*>(const_cast<void*>(panels));
+  impl->owner = std::move(owner);
+  impl->bytes = size;
+  PackedWeight w;
+  w.impl_ = std::move(impl);
+  return w;
+}
 
 // ---------------------------------------------------------------------------
 // Gemm

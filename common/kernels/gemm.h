@@ -105,6 +105,19 @@ class PackedWeight {
   // the callers' weight accounting. A borrowed bf16 tensor (torch path) is not counted.
   uint64_t bytes() const;
 
+  // The blocked layout's panels as one flat array (empty for the torch path
+  // and for weights with a bias), for writing them to a file; FromPanels
+  // makes a weight over such panels held elsewhere (a read-only file mapping
+  // that `owner` keeps alive), on `path` (a blocked path, supported).
+  // INVALID_ARGUMENT when `size` is not PanelBytes(n, k, gate_up) or `panels`
+  // is not 64-byte aligned. Never written through.
+  const void* panel_data() const;
+  uint64_t panel_bytes() const;
+  static uint64_t PanelBytes(int64_t n, int64_t k, bool gate_up);
+  static absl::StatusOr<PackedWeight> FromPanels(int64_t n, int64_t k, bool gate_up,
+                                                 GemmPath path, const void* panels,
+                                                 uint64_t size, std::shared_ptr<const void> owner);
+
   struct Impl;
   const Impl& impl() const { return *impl_; }
 

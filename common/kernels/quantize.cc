@@ -141,6 +141,20 @@ float QuantizedWeight::scale(int64_t r, int64_t g) const {
   return row_scales_.get()[r] * HalfToFloat(ratios_.get()[r * groups() + g]);
 }
 
+QuantizedWeight QuantizedWeight::FromParts(int64_t n, int64_t k, const uint8_t* data,
+                                           const float* row_scales, const uint16_t* ratios,
+                                           std::shared_ptr<const void> owner) {
+  QuantizedWeight q;
+  q.n_ = n;
+  q.k_ = k;
+  q.k_padded_ = (k + kInt8Group - 1) / kInt8Group * kInt8Group;
+  // Aliasing pointers: each shares `owner`'s lifetime; the kernels only read.
+  q.data_ = std::shared_ptr<uint8_t>(owner, const_cast<uint8_t*>(data));
+  q.row_scales_ = std::shared_ptr<float>(owner, const_cast<float*>(row_scales));
+  q.ratios_ = std::shared_ptr<uint16_t>(owner, const_cast<uint16_t*>(ratios));
+  return q;
+}
+
 absl::StatusOr<QuantizedWeight> QuantizeInt8(const at::Tensor& w) {
   if (!w.defined() || w.device().type() != at::kCPU || w.dim() != 2 ||
       (w.scalar_type() != at::kBFloat16 && w.scalar_type() != at::kFloat)) {

@@ -63,6 +63,16 @@ class QuantizedWeight {
   // scale(r, g) = row_scales()[r]·ratio(r, g), in f32.
   float scale(int64_t r, int64_t g) const;
   bool empty() const { return data_ == nullptr; }
+  // The three arrays as stored (rows, f32 row scales, f16 group ratios), for
+  // writing them to a file; FromParts makes a weight over such arrays held
+  // elsewhere (a read-only file mapping that `owner` keeps alive; `data` 64-byte
+  // aligned). Never written through.
+  uint64_t data_bytes() const { return static_cast<uint64_t>(n_) * k_padded_; }
+  uint64_t row_scale_bytes() const { return static_cast<uint64_t>(n_) * sizeof(float); }
+  uint64_t ratio_bytes() const { return static_cast<uint64_t>(n_) * groups() * sizeof(uint16_t); }
+  static QuantizedWeight FromParts(int64_t n, int64_t k, const uint8_t* data,
+                                   const float* row_scales, const uint16_t* ratios,
+                                   std::shared_ptr<const void> owner);
   // Bytes held: int8 rows (with padding) + f32 row scales + f16 group ratios.
   uint64_t bytes() const {
     return static_cast<uint64_t>(n_) * k_padded_ + static_cast<uint64_t>(n_) * sizeof(float) +

@@ -41,6 +41,18 @@
 // streams (with / without: acceptance >= 0.9x):
 //   vlm-bench-language --structured [--model_dir DIR] [--decode_tokens 64]
 //
+// Start-up and memory with the packed-weight file (issue 21), old path beside:
+//   vlm-bench-language --startup [--startup_configs "bf16:;int8:--weight_dtype=int8;int4:--weight_dtype=int4"]
+// prints, per configuration, with --packed_cache_dir= (old: convert in memory)
+// and with a fresh packed-weight directory (new): the first start (the new one
+// builds the file), then a start with the file present (page cache warm):
+// process start -> SERVING, process start -> first token of the first request
+// (a 20-word prompt sent at SERVING), RSS after that request next to the
+// weight bytes of the form, and a second replica started beside the first
+// (RSS, PSS, private bytes: with the file mapped, the replicas share its
+// pages and the second adds only its private memory). The directory (one
+// file per form, GBs on the 2B) is removed at the end.
+//
 // --model_dir defaults to the 2B-shaped checkpoint scripts/make_checkpoint.sh 2b
 // writes: $VLM_CACHE_DIR/checkpoints/2b, else ~/.cache/vlm/checkpoints/2b.
 // Each entry of --configs (separated by ';') is extra vlm-language flags
@@ -58,6 +70,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -110,6 +123,13 @@ ABSL_FLAG(int, paired_decode_rounds, 5,
 ABSL_FLAG(bool, structured, false,
           "measure structured output instead: schema compile time, mask cost, decode tokens/s "
           "with a JSON schema vs without at 1 and 8 streams");
+ABSL_FLAG(bool, startup, false,
+          "print the start-up / memory table (packed-weight file vs converting in memory) "
+          "instead of the serving table");
+ABSL_FLAG(std::string, startup_configs, "bf16:;int8:--weight_dtype=int8;int4:--weight_dtype=int4",
+          "';'-separated NAME:FLAGS for --startup (FLAGS ','-separated vlm-language flags)");
+ABSL_FLAG(std::string, startup_dir, "",
+          "parent of the temporary packed-weight directory for --startup (default: TMPDIR or /tmp)");
 ABSL_FLAG(std::string, cliff, "",
           "first:last:step prompt lengths for the prefill time-per-token scan (empty: off)");
 
@@ -133,6 +153,16 @@ double RssMib(pid_t pid) {
   std::string line;
   while (std::getline(in, line)) {
     if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return -1;
+}
+
+// Field `key` ("Pss:", "Private_Clean:", ...) of /proc/PID/smaps_rollup in MiB.
+double SmapsMib(pid_t pid, const std::string& key) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/smaps_rollup"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::stod(line.substr(key.size())) / 1024.0;
   }
   return -1;
 }
@@ -209,6 +239,7 @@ class Server {
   }
 
   pid_t pid() const { return pid_; }
+  Clock::time_point started() const { return started_; }
   std::unique_ptr<vlm::v1::Language::Stub> Stub() { return vlm::v1::Language::NewStub(channel_); }
 
  private:
@@ -748,6 +779,135 @@ int StructuredBench(const std::string& binary, const std::string& dir) {
   return 0;
 }
 
+// --startup: one server start and its first request.
+struct StartRun {
+  double serving_s = -1;      // process start -> SERVING
+  double first_token_s = -1;  // process start -> first token of the first request
+  double rss_mib = -1;        // after the first request
+};
+
+StartRun StartAndAsk(const std::string& binary, const std::vector<std::string>& flags,
+                     std::unique_ptr<Server>* keep) {
+  StartRun r;
+  auto server = std::make_unique<Server>(binary, flags);
+  r.serving_s = server->WaitServing(absl::Minutes(10));
+  if (r.serving_s < 0) return r;
+  auto stub = server->Stub();
+  const GenerateRequest request = Request(
+      "Describe a quiet harbour town at dawn: the boats, the gulls, the light on the water, "
+      "the smell of the sea.",
+      1);
+  Outcome o = Run(*stub, request);
+  if (!o.ok) {
+    std::fprintf(stderr, "first request failed: %s\n", o.error.c_str());
+    return r;
+  }
+  r.first_token_s = r.serving_s + o.client_first_s;
+  r.rss_mib = RssMib(server->pid());
+  if (keep != nullptr) *keep = std::move(server);
+  return r;
+}
+
+std::string CpuKind() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown CPU";
+}
+
+uint64_t DirectoryBytes(const std::string& dir) {
+  uint64_t bytes = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".vlmpack") bytes += e.file_size(ec);
+  }
+  return bytes;
+}
+
+int StartupTable(const std::string& binary, const std::string& dir) {
+  std::string parent = absl::GetFlag(FLAGS_startup_dir);
+  if (parent.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  }
+  std::string tmpl = parent + "/vlm-bench-packed-XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    std::fprintf(stderr, "cannot create a directory under %s\n", parent.c_str());
+    return 1;
+  }
+  const std::string packed_dir = tmpl;
+  std::vector<Column> columns;
+  for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_startup_configs), ';',
+                                                absl::SkipEmpty())) {
+    const size_t colon = entry.find(':');
+    const std::string name(entry.substr(0, colon));
+    const std::string extra(colon == absl::string_view::npos ? "" : entry.substr(colon + 1));
+    std::vector<std::string> base = {
+        "--model_dir=" + dir, "--grpc_address=127.0.0.1:0", "--metrics_address=",
+        absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)), "--log_level=warning"};
+    for (absl::string_view f : absl::StrSplit(extra, ',', absl::SkipEmpty())) base.emplace_back(f);
+    const LayerForm form = FormOf(extra);
+    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16) / 1048576.0;
+    for (const bool packed : {false, true}) {
+      Column col;
+      col.name = absl::StrCat(name, packed ? ", packed file" : ", old (--packed_cache_dir=)");
+      std::vector<std::string> flags = base;
+      flags.push_back(absl::StrCat("--packed_cache_dir=", packed ? packed_dir : ""));
+      std::fprintf(stderr, "%s: first start\n", col.name.c_str());
+      const uint64_t dir_before = DirectoryBytes(packed_dir);
+      const StartRun first = StartAndAsk(binary, flags, nullptr);
+      const uint64_t file_bytes = DirectoryBytes(packed_dir) - dir_before;
+      std::fprintf(stderr, "%s: second start and a replica\n", col.name.c_str());
+      std::unique_ptr<Server> one, two;
+      const StartRun warm = StartAndAsk(binary, flags, &one);
+      const StartRun replica = StartAndAsk(binary, flags, &two);
+      const auto f = [](double v, const char* fmt) {
+        return v < 0 ? std::string("failed") : absl::StrFormat(fmt, v);
+      };
+      col.Add("1st start (new: builds the file): start -> SERVING (s)", f(first.serving_s, "%.2f"));
+      col.Add("1st start: start -> first token (s)", f(first.first_token_s, "%.2f"));
+      col.Add("start -> SERVING, file present, page cache warm (s)", f(warm.serving_s, "%.2f"));
+      col.Add("start -> first token of the 1st request (s) [<= 3]", f(warm.first_token_s, "%.2f"));
+      col.Add("RSS after the 1st request (MiB)", f(warm.rss_mib, "%.0f"));
+      col.Add("weight bytes of the form (MiB)", absl::StrFormat("%.0f", weights));
+      col.Add("RSS - weight bytes (MiB) [<= 500]",
+              warm.rss_mib < 0 ? "failed" : absl::StrFormat("%.0f", warm.rss_mib - weights));
+      if (two != nullptr && one != nullptr) {
+        col.Add("2nd replica: RSS after its 1st request (MiB)", f(replica.rss_mib, "%.0f"));
+        col.Add("2nd replica: PSS (MiB)", f(SmapsMib(two->pid(), "Pss:"), "%.0f"));
+        col.Add("2nd replica: private (MiB)",
+                f(SmapsMib(two->pid(), "Private_Clean:") + SmapsMib(two->pid(), "Private_Dirty:"),
+                  "%.0f"));
+        col.Add("1st replica: PSS with both up (MiB)", f(SmapsMib(one->pid(), "Pss:"), "%.0f"));
+      } else {
+        col.Add("2nd replica", "failed");
+      }
+      col.Add("packed-weight file (MiB)",
+              packed ? absl::StrFormat("%.0f", file_bytes / 1048576.0) : "-");
+      columns.push_back(std::move(col));
+    }
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(packed_dir, ec);
+  std::printf("vlm-bench-language --startup: %s, %d threads, CPU %s\n", dir.c_str(),
+              absl::GetFlag(FLAGS_threads), CpuKind().c_str());
+  std::printf("(one start per cell; run the command again for a spread)\n\n| metric |");
+  for (const Column& c : columns) std::printf(" %s |", c.name.c_str());
+  std::printf("\n|---|");
+  for (size_t i = 0; i < columns.size(); ++i) std::printf("---|");
+  std::printf("\n");
+  for (size_t r = 0; !columns.empty() && r < columns[0].rows.size(); ++r) {
+    std::printf("| %s |", columns[0].rows[r].first.c_str());
+    for (const Column& c : columns) {
+      std::printf(" %s |", r < c.rows.size() ? c.rows[r].second.c_str() : "-");
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -774,6 +934,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
     return 1;
   }
+  if (absl::GetFlag(FLAGS_startup)) return StartupTable(binary, dir);
   const uint64_t bytes = DecodeWeightBytes(dir);
   double bandwidth = ReadBandwidth(absl::GetFlag(FLAGS_threads));
 

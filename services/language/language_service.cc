@@ -271,7 +271,17 @@ absl::StatusOr<int64_t> LanguageService::KvBlocks(int64_t block_size, uint64_t p
 }
 
 // The checkpoint's mapping and the decoder over it (layers load lazily).
-absl::Status LanguageService::LoadDecoder() {
+std::string DefaultPackedCacheDir() {
+  if (const char* cache = std::getenv("VLM_CACHE_DIR"); cache != nullptr && *cache != '\0') {
+    return absl::StrCat(cache, "/packed");
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    return absl::StrCat(home, "/.cache/vlm/packed");
+  }
+  return "/tmp/vlm-cache/packed";
+}
+
+absl::Status LanguageService::LoadDecoder(bool pack_only) {
   const std::string& dir = options_.model_dir;
   LoadPhaseTimer timer("language_decoder");
   absl::StatusOr<std::unique_ptr<SafetensorsCheckpoint>> checkpoint =
@@ -286,12 +296,54 @@ absl::Status LanguageService::LoadDecoder() {
   decoder_options.touch_embedding = options_.eager_load;
   decoder_options.layers.eager_load = options_.eager_load;
   decoder_options.layers.resident_layers = options_.resident_layers;
-  decoder_options.layers.prefetch_layers = options_.prefetch_layers;
+  decoder_options.layers.prefetch_layers = pack_only ? 0 : options_.prefetch_layers;
+  decoder_options.packed_dir = options_.packed_cache_dir;
+  // Converted layers come in the background right after the load (from the
+  // packed file, or packed in memory), off the first request's path.
+  decoder_options.layers.background_materialize = !pack_only && !options_.eager_load;
   absl::StatusOr<std::unique_ptr<Decoder>> decoder =
       Decoder::Load(checkpoint_, config_, decoder_options);
   if (!decoder.ok()) return decoder.status();
   decoder_ = *std::move(decoder);
   LogInfo(kLog, "decoder loaded", {{"summary", decoder_->load_summary()}});
+  return absl::OkStatus();
+}
+
+absl::Status LanguageService::PackOnly() {
+  const std::string& dir = options_.model_dir;
+  if (dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
+  if (options_.packed_cache_dir.empty()) {
+    return absl::InvalidArgumentError("--pack_only needs a --packed_cache_dir");
+  }
+  if (auto k = kernels::ChooseKernelPathAtStartup(kLog); !k.ok()) return k.status();
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  if (!config.ok()) return config.status();
+  config_ = *std::move(config);
+  if (absl::Status s = LoadDecoder(/*pack_only=*/true); !s.ok()) return s;
+  if (const auto& file = decoder_->layers().packed_file();
+      file != nullptr && decoder_->packed_file_outcome().state == "mapped") {
+    // An existing file: check every section (a full read, affordable here,
+    // not at a serving start) and rebuild it if one fails.
+    for (int l = 0; l < decoder_->layers().num_layers(); ++l) {
+      if (absl::Status v = file->VerifyGroup(l); !v.ok()) {
+        LogWarning(kLog, "packed weights rejected, rebuilding",
+                   {{"path", file->path()}, {"reason", "section_checksum"},
+                    {"error", v.ToString()}});
+        CountPackedFileRejection("section_checksum");
+        file->Discard();
+        decoder_.reset();
+        if (absl::Status s = LoadDecoder(/*pack_only=*/true); !s.ok()) return s;
+        break;
+      }
+    }
+  }
+  const PackedFileOutcome& outcome = decoder_->packed_file_outcome();
+  if (outcome.state != "built" && outcome.state != "mapped") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no packed-weight file for projections ", ProjectionFormName(decoder_->projection_form()),
+        outcome.reason.empty() ? "" : absl::StrCat(": ", outcome.reason)));
+  }
+  LogInfo(kLog, "packed-weight file ready", {{"path", outcome.path}, {"state", outcome.state}});
   return absl::OkStatus();
 }
 
@@ -331,6 +383,8 @@ absl::Status LanguageService::Load() {
     }
     if (!config_.tie_warning.empty()) LogWarning(kLog, config_.tie_warning);
   }
+  readiness_->SetNotServing(kLanguageServiceName,
+                            "warming up: mapping the decoder (a first start packs its weights)");
   if (absl::Status s = LoadDecoder(); !s.ok()) return s;
   {
     absl::StatusOr<std::string> fingerprint = ModelFingerprintOfDir(dir);

@@ -86,7 +86,13 @@ struct LanguageServiceOptions {
   bool prefix_cache = true;     // reuse KV of identical prefixes (text and images)
   int64_t max_context = 8192;   // prompt + completion tokens per sequence
   absl::Duration warmup_delay;  // artificial, for tests of readiness gating
+  // Packed-weight files (DecoderOptions::packed_dir); empty: pack in memory.
+  std::string packed_cache_dir;
 };
+
+// $VLM_CACHE_DIR/packed, else $HOME/.cache/vlm/packed (the model cache
+// scripts/setup.sh and make_checkpoint.sh use), else /tmp/vlm-cache/packed.
+std::string DefaultPackedCacheDir();
 
 class LanguageService final : public v1::Language::Service {
  public:
@@ -98,6 +104,11 @@ class LanguageService final : public v1::Language::Service {
   // Reads the configs, tokenizer and tensor headers, loads the projector and
   // warms it up (plus options.warmup_delay). Call once, before SetServing.
   absl::Status Load();
+  // --pack_only: reads the config and checkpoint headers and builds (or
+  // verifies the header of) the packed-weight file in
+  // options.packed_cache_dir, then returns; FAILED_PRECONDITION when no file
+  // could be written. Touches no layer page beyond the conversion.
+  absl::Status PackOnly();
 
   // The typed entry points (in-process callers; gRPC calls reach the raw
   // handlers installed by the constructor, which parse and then do the same).
@@ -132,7 +143,7 @@ class LanguageService final : public v1::Language::Service {
   grpc::Status GenerateRaw(grpc::ServerContext* context, RawStream* stream);
   grpc::Status CountTokensRaw(grpc::ServerContext* context, RawStream* stream);
   // KV blocks for --kv_cache_mb (capped at what admitted sequences can use).
-  absl::Status LoadDecoder();
+  absl::Status LoadDecoder(bool pack_only = false);
   absl::StatusOr<int64_t> KvBlocks(int64_t block_size, uint64_t per_token) const;
   grpc::Status RunGenerate(grpc::ServerContext* context,
                            std::chrono::steady_clock::time_point arrival,

@@ -54,6 +54,14 @@ ABSL_FLAG(std::string, weight_dtype, "bf16",
 ABSL_FLAG(bool, int8_prefill_gemm, true,
           "with --weight_dtype int8: prefill rows on the bf16 GEMM over int8 weights converted "
           "per call (faster where prefill is compute-bound); false: the int8 GEMV like decode rows");
+ABSL_FLAG(std::string, packed_cache_dir, vlm::language::DefaultPackedCacheDir(),
+          "directory of packed-weight files: the converted decoder layers and LM head (packed "
+          "bf16 panels, int8) written on a checkpoint's first start and mapped read-only by later "
+          "starts and replicas; empty = convert in memory at every start (default "
+          "$VLM_CACHE_DIR/packed, else ~/.cache/vlm/packed)");
+ABSL_FLAG(bool, pack_only, false,
+          "build the packed-weight file for --model_dir and the weight flags into "
+          "--packed_cache_dir, then exit (0 when the file is there); for an init container");
 ABSL_FLAG(int, intra_op_threads, 0,
           "compute threads (the kernels' pool and LibTorch intra-op); 0 = the cores this "
           "process may use (CPU affinity, capped by a cgroup CPU quota)");
@@ -110,6 +118,7 @@ int Run() {
   }
   options.weight_dtype = *weight_dtype;
   options.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
+  options.packed_cache_dir = absl::GetFlag(FLAGS_packed_cache_dir);
   absl::StatusOr<absl::Duration> warmup_delay = TestWarmupDelay();
   if (!warmup_delay.ok()) {
     vlm::LogError(kLog, "bad test hook", {{"error", warmup_delay.status().ToString()}});
@@ -130,6 +139,16 @@ int Run() {
   vlm::LogInfo(kLog, "cpu", {{"features", vlm::GetCpuFeatures().Describe()},
                              {"intra_op_threads", threads},
                              {"omp_wait_policy", vlm::OmpWaitPolicy()}});
+
+  if (absl::GetFlag(FLAGS_pack_only)) {
+    vlm::Readiness readiness;
+    vlm::language::LanguageService service(&readiness, options);
+    if (absl::Status s = service.PackOnly(); !s.ok()) {
+      vlm::LogError(kLog, "pack failed", {{"error", s.ToString()}});
+      return 1;
+    }
+    return 0;
+  }
 
   const std::string name = vlm::language::kLanguageServiceName;
   vlm::Server server(vlm::ServerOptions::FromFlags());

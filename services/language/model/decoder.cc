@@ -165,6 +165,14 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
   absl::StatusOr<LayerStoreOptions> layer_options = d->ChooseProjectionForm(warning, &matmul_note);
   if (!layer_options.ok()) return layer_options.status();
   const at::ScalarType dtype = ScalarTypeOf(d->compute_dtype_);
+  if (layer_options->form != ProjectionForm::kDense) {
+    // The converted layers (and LM head) from the packed-weight file, built
+    // first if needed; null: converted in memory.
+    const ProjectionForm form = layer_options->form;
+    layer_options->packed_file = OpenOrBuildPackedFile(
+        *checkpoint, config.text, *prefix, dtype, form, options.packed_dir,
+        [&](PackedFileWriter& w) { return d->WriteHead(form, w); }, &d->packed_outcome_);
+  }
   absl::StatusOr<std::unique_ptr<LayerStore>> store =
       LayerStore::Create(checkpoint, config.text, *prefix, dtype, *layer_options);
   if (!store.ok()) return store.status();
@@ -179,7 +187,10 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
       "decoder: ", c.num_hidden_layers, " layers, compute ", ComputeDTypeName(d->compute_dtype_),
       ", layers ",
       layer_options->form != ProjectionForm::kDense
-          ? "converted on materialization (dense projection pages released)"
+          ? (layer_options->packed_file != nullptr
+                 ? absl::StrCat("mapped from the packed file ", d->packed_outcome_.path, " (",
+                                d->packed_outcome_.state, ")")
+                 : std::string("converted on materialization (dense projection pages released)"))
           : d->layers_->in_place() ? "in place (zero copy)" : "converted on materialization",
       ", ", tie_rule, ", ", matmul_note,
       layer_options->form == ProjectionForm::kDense
@@ -355,7 +366,6 @@ absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::strin
 
 absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_source,
                                   std::string* head_note_out) {
-  const DecoderOptions& options = options_;
   const SafetensorsCheckpoint& ckpt = *checkpoint_;
   const std::string head_name = "lm_head.weight";
   // The LM head: int8 with int8 layers (int8_lm_head), else on the packed
@@ -364,21 +374,44 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
   // pages are no longer needed in memory.
   std::string head_note =
       use_gemv_ ? absl::StrCat("gemv/", GemvPathName(DefaultGemvPath())) : "at::linear";
-  const bool quantized_layers = form == ProjectionForm::kInt8 || form == ProjectionForm::kInt4;
-  const bool int4_head = form == ProjectionForm::kInt4 && options.int4_lm_head;
-  const bool int8_head = quantized_layers && options.int8_lm_head && !int4_head;
-  if (int8_head || int4_head || (options.packed_head && form != ProjectionForm::kDense &&
-                    kernels::DefaultGemmPath() != kernels::GemmPath::kTorch)) {
+  const HeadForm head_form = ChooseHeadForm(form);
+  if (head_form != HeadForm::kDense) {
     try {
       uint64_t head_bytes = 0;
-      if (int4_head) {
+      const PackedFile* file = layers_->packed_file().get();
+      const int64_t vocab = config_.text.vocab_size, hidden = config_.text.hidden_size;
+      if (file != nullptr && file->HasGroup(kPackedHeadGroup) &&
+          file->VerifyGroup(kPackedHeadGroup).ok()) {
+        // Mapped from the packed file: nothing converted.
+        if (head_form == HeadForm::kInt8) {
+          absl::StatusOr<kernels::QuantizedWeight> head =
+              Int8FromFile(*file, kPackedHeadGroup, "head", vocab, hidden);
+          if (head.ok()) lm_head8_ = *std::move(head);
+        } else if (head_form == HeadForm::kPacked) {
+          absl::StatusOr<kernels::PackedWeight> head =
+              PackedFromFile(*file, kPackedHeadGroup, "head", vocab, hidden, false);
+          if (head.ok()) packed_head_ = *std::move(head);
+        }
+      }
+      if (!lm_head8_.empty()) {
+        head_bytes = lm_head8_.bytes();
+        head_note = absl::StrCat("int8 (gemv_int8/",
+                                 kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()),
+                                 ", mapped)");
+      } else if (!packed_head_.empty()) {
+        head_bytes = packed_head_.bytes();
+        head_note = absl::StrCat("gemm/", kernels::GemmPathName(packed_head_.path()), " (mapped)");
+      } else if (head_form == HeadForm::kInt4) {
+        // No packed-file layout for int4 yet: quantized at every start.
+        ++head_conversions_;
         absl::StatusOr<kernels::Int4Weight> head = kernels::QuantizeInt4(lm_head_);
         if (!head.ok()) return head.status();
         lm_head4_ = *std::move(head);
         head_bytes = lm_head4_.bytes();
         head_note = absl::StrCat("int4 (gemv_int4/",
                                  kernels::GemvInt4PathName(kernels::DefaultGemvInt4Path()), ")");
-      } else if (int8_head) {
+      } else if (head_form == HeadForm::kInt8) {
+        ++head_conversions_;
         absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(lm_head_);
         if (!head.ok()) return head.status();
         lm_head8_ = *std::move(head);
@@ -386,6 +419,7 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
         head_note = absl::StrCat("int8 (gemv_int8/",
                                  kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()), ")");
       } else {
+        ++head_conversions_;
         absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(lm_head_);
         if (!head.ok()) return head.status();
         packed_head_ = *std::move(head);
@@ -406,6 +440,53 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
     }
   }
   *head_note_out = head_note;
+  return absl::OkStatus();
+}
+
+Decoder::HeadForm Decoder::ChooseHeadForm(ProjectionForm form) const {
+  if (form == ProjectionForm::kInt4 && options_.int4_lm_head) return HeadForm::kInt4;
+  if ((form == ProjectionForm::kInt8 || form == ProjectionForm::kInt4) && options_.int8_lm_head) {
+    return HeadForm::kInt8;
+  }
+  if (options_.packed_head && form != ProjectionForm::kDense &&
+      kernels::DefaultGemmPath() != kernels::GemmPath::kTorch) {
+    return HeadForm::kPacked;
+  }
+  return HeadForm::kDense;
+}
+
+// The LM head in its converted form as group kPackedHeadGroup of a packed file
+// being built (nothing for a dense head).
+absl::Status Decoder::WriteHead(ProjectionForm form, PackedFileWriter& writer) const {
+  std::vector<NamedBytes> sections;
+  kernels::QuantizedWeight q;
+  kernels::PackedWeight p;
+  try {
+    switch (ChooseHeadForm(form)) {
+      case HeadForm::kDense:
+      case HeadForm::kInt4:  // no packed-file layout for int4 yet
+        return absl::OkStatus();
+      case HeadForm::kInt8: {
+        absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(lm_head_);
+        if (!head.ok()) return head.status();
+        q = *std::move(head);
+        AppendInt8Sections("head", q, &sections);
+        break;
+      }
+      case HeadForm::kPacked: {
+        absl::StatusOr<kernels::PackedWeight> head = kernels::PackedWeight::Pack(lm_head_);
+        if (!head.ok()) return head.status();
+        p = *std::move(head);
+        AppendPackedSections("head", p, &sections);
+        break;
+      }
+    }
+  } catch (const c10::Error& e) {
+    return StatusFromException("LM head packing", e);
+  }
+  for (const NamedBytes& b : sections) {
+    if (absl::Status s = writer.Add(kPackedHeadGroup, b.name, b.data, b.size); !s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 

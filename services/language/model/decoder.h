@@ -114,7 +114,13 @@ struct DecoderOptions {
   // panels converted to bf16 per call, the bf16 GEMM's micro-kernel) where a
   // blocked GEMM path exists; false: through GemvInt8 like decode rows.
   bool int8_prefill_gemm = true;
-  // layers.form is set by Load from matmul and weight_dtype.
+  // Directory of packed-weight files (packed_file.h): with packed or int8
+  // projections the converted layers and LM head are mapped from the file for
+  // this checkpoint and form, which Load first builds there when it is
+  // missing or rejected. Empty, or not writable: converted in memory.
+  std::string packed_dir;
+  // layers.form and layers.packed_file are set by Load from matmul,
+  // weight_dtype and packed_dir.
   LayerStoreOptions layers;
 };
 
@@ -229,6 +235,11 @@ class Decoder {
   uint64_t decode_weight_bytes() const;
   // What Load decided (dtype, in place or converted, tie rule, gemv path).
   const std::string& load_summary() const { return load_summary_; }
+  // What became of the packed-weight file (state "mapped", "built" or
+  // "unavailable" with the reason); empty state for dense projections.
+  const PackedFileOutcome& packed_file_outcome() const { return packed_outcome_; }
+  // LM heads converted in memory at Load (0 when mapped from the packed file or dense).
+  int head_conversions() const { return head_conversions_; }
 
  private:
   struct Batch;
@@ -274,6 +285,9 @@ class Decoder {
                                                          std::string* matmul_note);
   absl::Status PrepareHead(ProjectionForm form, const std::string& embed_source,
                            std::string* head_note);
+  enum class HeadForm { kDense, kPacked, kInt8, kInt4 };
+  HeadForm ChooseHeadForm(ProjectionForm form) const;
+  absl::Status WriteHead(ProjectionForm form, PackedFileWriter& writer) const;
   at::Tensor Head(const at::Tensor& hidden) const;  // [R, hidden] -> [R, vocab] f32
 
   ModelConfig config_;
@@ -298,6 +312,8 @@ class Decoder {
   bool quantized_gemm_ = false;  // int8 / int4 prefill rows through GemmInt8 / GemmInt4
   uint64_t embedding_bytes_ = 0;
   std::string load_summary_;
+  PackedFileOutcome packed_outcome_;
+  int head_conversions_ = 0;
 };
 
 }  // namespace vlm::language

@@ -1,9 +1,13 @@
 #include "services/language/model/layer_store.h"
 
+#include <sys/stat.h>
+
 #include <chrono>
+#include <filesystem>
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 
@@ -11,6 +15,8 @@
 #include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/model_fingerprint.h"
+#include "common/sha256.h"
 
 namespace vlm::language {
 
@@ -172,6 +178,59 @@ uint64_t HeldBytes(const DecoderLayerWeights& w) {
   return total;
 }
 
+// Packs or quantizes a layer's dense projections into `form` and releases the
+// dense tensors (views of the mapping or converted copies).
+absl::Status ConvertProjections(ProjectionForm form, int layer, DecoderLayerWeights& w) {
+  const std::string where = absl::StrCat("layer ", layer, ": ");
+  try {
+    const at::Tensor qkv = at::cat({w.q_proj, w.k_proj, w.v_proj}, 0);  // [q + 2kv, hidden]
+    if (form == ProjectionForm::kPacked) {
+      absl::StatusOr<kernels::PackedWeight> p = kernels::PackedWeight::Pack(qkv);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.qkv = *std::move(p);
+      p = kernels::PackedWeight::Pack(w.o_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.o = *std::move(p);
+      p = kernels::PackedWeight::PackGateUp(w.gate_proj, w.up_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.gate_up = *std::move(p);
+      p = kernels::PackedWeight::Pack(w.down_proj);
+      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
+      w.down = *std::move(p);
+    } else if (form == ProjectionForm::kInt4) {
+      kernels::Int4Weight* dst[] = {&w.qkv4, &w.o4, &w.gate_up4, &w.down4};
+      const at::Tensor src[] = {qkv, w.o_proj, at::cat({w.gate_proj, w.up_proj}, 0), w.down_proj};
+      for (int i = 0; i < 4; ++i) {
+        absl::StatusOr<kernels::Int4Weight> q = kernels::QuantizeInt4(src[i]);
+        if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+        *dst[i] = *std::move(q);
+      }
+    } else {
+      absl::StatusOr<kernels::QuantizedWeight> q = kernels::QuantizeInt8(qkv);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.qkv8 = *std::move(q);
+      q = kernels::QuantizeInt8(w.o_proj);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.o8 = *std::move(q);
+      q = kernels::QuantizeInt8(at::cat({w.gate_proj, w.up_proj}, 0));
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.gate_up8 = *std::move(q);
+      q = kernels::QuantizeInt8(w.down_proj);
+      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
+      w.down8 = *std::move(q);
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(where + e.what_without_backtrace());
+  }
+  // One copy of every weight: release the dense projections (mapped pages
+  // back to the page cache, converted copies freed with the tensors).
+  for (at::Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj,
+                        &w.down_proj}) {
+    t->reset();
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* ProjectionFormName(ProjectionForm form) {
@@ -186,6 +245,355 @@ const char* ProjectionFormName(ProjectionForm form) {
       return "int4";
   }
   return "?";
+}
+
+// ---------------------------------------------------------------------------
+// Packed-weight file of the layers
+// ---------------------------------------------------------------------------
+
+std::string PackedFormName(ProjectionForm form) {
+  switch (form) {
+    case ProjectionForm::kDense:
+      return "";
+    case ProjectionForm::kPacked:
+      return "packed/bf16-panels32";
+    case ProjectionForm::kInt8:
+      return absl::StrCat("int8/g", kernels::kInt8Group, "-i", kernels::kInt8Block);
+    case ProjectionForm::kInt4:
+      return "";  // no file layout yet: Int4Weight needs raw-array accessors first
+  }
+  return "";
+}
+
+std::string PackedCheckpointId(const SafetensorsCheckpoint& checkpoint) {
+  Sha256Hasher h;
+  h.Update("vlm-packed-checkpoint-v1\n");
+  h.Update(ModelFingerprint("", checkpoint));
+  for (const std::string& file : checkpoint.files()) {
+    struct stat st {};
+    const bool ok = ::stat(file.c_str(), &st) == 0;
+    h.Update(absl::StrCat("\n", std::filesystem::path(file).filename().string(), " ",
+                          ok ? static_cast<int64_t>(st.st_size) : -1, " ",
+                          ok ? static_cast<int64_t>(st.st_mtim.tv_sec) : 0, ".",
+                          ok ? static_cast<int64_t>(st.st_mtim.tv_nsec) : 0));
+  }
+  return h.FinishHex();
+}
+
+std::string PackedFileStem(const SafetensorsCheckpoint& checkpoint) {
+  std::error_code ec;
+  const std::string file = checkpoint.files().empty() ? "" : checkpoint.files()[0];
+  std::filesystem::path dir = std::filesystem::absolute(file, ec).parent_path();
+  if (ec) dir = std::filesystem::path(file).parent_path();
+  return Sha256Hex(dir.lexically_normal().string()).substr(0, 16);
+}
+
+void AppendPackedSections(const std::string& name, const kernels::PackedWeight& w,
+                          std::vector<NamedBytes>* out) {
+  out->push_back({name + ".panels", w.panel_data(), w.panel_bytes()});
+}
+
+void AppendInt8Sections(const std::string& name, const kernels::QuantizedWeight& w,
+                        std::vector<NamedBytes>* out) {
+  out->push_back({name + ".rows", w.row(0), w.data_bytes()});
+  out->push_back({name + ".row_scales", w.row_scales(), w.row_scale_bytes()});
+  out->push_back({name + ".ratios", w.ratios(), w.ratio_bytes()});
+}
+
+namespace {
+
+absl::StatusOr<const PackedFile::Section*> FindSection(const PackedFile& file, int32_t group,
+                                                       const std::string& name, uint64_t size) {
+  const PackedFile::Section* s = file.Find(group, name);
+  if (s == nullptr) {
+    return absl::NotFoundError(absl::StrCat(file.path(), ": no section ", group, "/", name));
+  }
+  if (s->size != size) {
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": section ", group, "/", name,
+                                                   " holds ", s->size, " bytes, expected ", size));
+  }
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<kernels::PackedWeight> PackedFromFile(const PackedFile& file, int32_t group,
+                                                     const std::string& name, int64_t n,
+                                                     int64_t k, bool gate_up) {
+  absl::StatusOr<const PackedFile::Section*> s =
+      FindSection(file, group, name + ".panels", kernels::PackedWeight::PanelBytes(n, k, gate_up));
+  if (!s.ok()) return s.status();
+  return kernels::PackedWeight::FromPanels(n, k, gate_up, kernels::DefaultGemmPath(),
+                                           file.data(**s), (*s)->size, file.owner());
+}
+
+absl::StatusOr<kernels::QuantizedWeight> Int8FromFile(const PackedFile& file, int32_t group,
+                                                      const std::string& name, int64_t n,
+                                                      int64_t k) {
+  const int64_t kp = (k + kernels::kInt8Group - 1) / kernels::kInt8Group * kernels::kInt8Group;
+  const uint64_t un = static_cast<uint64_t>(n);
+  absl::StatusOr<const PackedFile::Section*> rows =
+      FindSection(file, group, name + ".rows", un * kp);
+  if (!rows.ok()) return rows.status();
+  absl::StatusOr<const PackedFile::Section*> scales =
+      FindSection(file, group, name + ".row_scales", un * sizeof(float));
+  if (!scales.ok()) return scales.status();
+  absl::StatusOr<const PackedFile::Section*> ratios = FindSection(
+      file, group, name + ".ratios", un * (kp / kernels::kInt8Group) * sizeof(uint16_t));
+  if (!ratios.ok()) return ratios.status();
+  return kernels::QuantizedWeight::FromParts(
+      n, k, file.data(**rows), reinterpret_cast<const float*>(file.data(**scales)),
+      reinterpret_cast<const uint16_t*>(file.data(**ratios)), file.owner());
+}
+
+namespace {
+
+constexpr const char* kNormSections[] = {"input_layernorm", "q_norm", "k_norm",
+                                         "post_attention_layernorm"};
+
+// A layer's sections in `form`: the four norms (compute dtype) and the
+// projections as the form holds them. One case per form.
+std::vector<NamedBytes> LayerSections(const DecoderLayerWeights& w, ProjectionForm form) {
+  std::vector<NamedBytes> out;
+  const at::Tensor* norms[] = {&w.input_layernorm, &w.q_norm, &w.k_norm,
+                               &w.post_attention_layernorm};
+  for (int i = 0; i < 4; ++i) {
+    out.push_back({kNormSections[i], norms[i]->data_ptr(), norms[i]->nbytes()});
+  }
+  switch (form) {
+    case ProjectionForm::kDense:
+      break;
+    case ProjectionForm::kPacked:
+      AppendPackedSections("qkv", w.qkv, &out);
+      AppendPackedSections("o", w.o, &out);
+      AppendPackedSections("gate_up", w.gate_up, &out);
+      AppendPackedSections("down", w.down, &out);
+      break;
+    case ProjectionForm::kInt8:
+      AppendInt8Sections("qkv", w.qkv8, &out);
+      AppendInt8Sections("o", w.o8, &out);
+      AppendInt8Sections("gate_up", w.gate_up8, &out);
+      AppendInt8Sections("down", w.down8, &out);
+      break;
+    case ProjectionForm::kInt4:
+      break;
+  }
+  return out;
+}
+
+// A layer from its group in `file`: views of the mapping, nothing copied.
+absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> LayerFromFile(const PackedFile& file,
+                                                                   int layer, ProjectionForm form,
+                                                                   const TextConfig& c,
+                                                                   at::ScalarType dtype) {
+  auto w = std::make_shared<DecoderLayerWeights>();
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  const int64_t norm_sizes[] = {h, c.head_dim, c.head_dim, h};
+  at::Tensor* norms[] = {&w->input_layernorm, &w->q_norm, &w->k_norm,
+                         &w->post_attention_layernorm};
+  const size_t e = at::elementSize(dtype);
+  try {
+    for (int i = 0; i < 4; ++i) {
+      absl::StatusOr<const PackedFile::Section*> s =
+          FindSection(file, layer, kNormSections[i], norm_sizes[i] * e);
+      if (!s.ok()) return s.status();
+      std::shared_ptr<const void> owner = file.owner();
+      *norms[i] = at::from_blob(const_cast<uint8_t*>(file.data(**s)), {norm_sizes[i]},
+                                [owner](void*) {}, at::TensorOptions().dtype(dtype));
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("layer ", layer, ": ", e.what_without_backtrace()));
+  }
+  switch (form) {
+    case ProjectionForm::kDense:
+      return absl::InvalidArgumentError("dense layers have no packed file");
+    case ProjectionForm::kInt4:
+      return absl::UnimplementedError("int4 layers have no packed-file layout yet");
+    case ProjectionForm::kPacked: {
+      struct P { kernels::PackedWeight* w; const char* name; int64_t n, k; bool gate_up; };
+      for (const P& p : {P{&w->qkv, "qkv", q + 2 * kv, h, false}, P{&w->o, "o", h, q, false},
+                         P{&w->gate_up, "gate_up", inter, h, true},
+                         P{&w->down, "down", h, inter, false}}) {
+        absl::StatusOr<kernels::PackedWeight> pw = PackedFromFile(file, layer, p.name, p.n, p.k,
+                                                                  p.gate_up);
+        if (!pw.ok()) return pw.status();
+        *p.w = *std::move(pw);
+      }
+      break;
+    }
+    case ProjectionForm::kInt8: {
+      struct P { kernels::QuantizedWeight* w; const char* name; int64_t n, k; };
+      for (const P& p : {P{&w->qkv8, "qkv", q + 2 * kv, h}, P{&w->o8, "o", h, q},
+                         P{&w->gate_up8, "gate_up", 2 * inter, h},
+                         P{&w->down8, "down", h, inter}}) {
+        absl::StatusOr<kernels::QuantizedWeight> qw = Int8FromFile(file, layer, p.name, p.n, p.k);
+        if (!qw.ok()) return qw.status();
+        *p.w = *std::move(qw);
+      }
+      break;
+    }
+  }
+  return w;
+}
+
+struct PackedFileMetrics {
+  prometheus::Family<prometheus::Counter>* unwritten;
+  prometheus::Family<prometheus::Gauge>* state;
+};
+
+const PackedFileMetrics& FileMetrics() {
+  static const PackedFileMetrics metrics = [] {
+    PackedFileMetrics m;
+    m.unwritten = &prometheus::BuildCounter()
+                       .Name("vlm_language_packed_file_write_failures_total")
+                       .Help("Packed-weight files that could not be written, by reason "
+                             "(unwritable, disk_full, io_error); the layers pack in memory")
+                       .Register(MetricsRegistry());
+    m.state = &prometheus::BuildGauge()
+                   .Name("vlm_language_packed_file")
+                   .Help("1 for how this process got its converted layers: state=mapped (an "
+                         "existing packed file), built (written at this start), unavailable "
+                         "(packed in memory)")
+                   .Register(MetricsRegistry());
+    return m;
+  }();
+  return metrics;
+}
+
+void SetFileState(const std::string& state) {
+  for (const char* s : {"mapped", "built", "unavailable"}) {
+    FileMetrics().state->Add({{"state", s}}).Set(state == s ? 1 : 0);
+  }
+}
+
+const char* WriteFailureReason(const absl::Status& s) {
+  if (absl::IsResourceExhausted(s)) return "disk_full";
+  if (absl::IsPermissionDenied(s) || absl::IsFailedPrecondition(s) || absl::IsNotFound(s)) {
+    return "unwritable";
+  }
+  return "io_error";
+}
+
+// Every layer's sections present with the sizes its form needs (table only).
+absl::Status CheckLayerSections(const PackedFile& file, ProjectionForm form, const TextConfig& c,
+                                at::ScalarType dtype) {
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> w = LayerFromFile(file, l, form, c, dtype);
+    if (!w.ok()) return w.status();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
+    const SafetensorsCheckpoint& ckpt, const TextConfig& c, const std::string& prefix,
+    at::ScalarType dtype, ProjectionForm form, const std::string& dir,
+    const std::function<absl::Status(PackedFileWriter&)>& extra, PackedFileOutcome* outcome) {
+  *outcome = PackedFileOutcome();
+  outcome->state = "unavailable";
+  if (form == ProjectionForm::kDense) {
+    outcome->reason = "dense layers are the checkpoint's own layout";
+    return nullptr;
+  }
+  if (PackedFormName(form).empty()) {
+    outcome->reason = absl::StrCat(ProjectionFormName(form), " has no packed-file layout yet");
+    LogInfo("language", "packed weights: none, layers convert in memory",
+            {{"reason", outcome->reason}});
+    SetFileState("unavailable");
+    return nullptr;
+  }
+  if (dir.empty()) {
+    outcome->reason = "no packed-weight directory (--packed_cache_dir is empty)";
+    LogInfo("language", "packed weights: none, layers pack in memory",
+            {{"reason", outcome->reason}});
+    SetFileState("unavailable");
+    return nullptr;
+  }
+  PackedFileKey key;
+  key.checkpoint = PackedCheckpointId(ckpt);
+  key.form = PackedFormName(form);
+  key.stem = PackedFileStem(ckpt);
+  outcome->path = (std::filesystem::path(dir) / key.FileName()).string();
+  {
+    LoadPhaseTimer timer("language_packed_map");
+    std::string reason;
+    absl::StatusOr<std::shared_ptr<PackedFile>> file = PackedFile::Open(outcome->path, key, &reason);
+    if (file.ok()) {
+      absl::Status sections = CheckLayerSections(**file, form, c, dtype);
+      if (sections.ok()) {
+        outcome->state = "mapped";
+        outcome->seconds = timer.Stop();
+        LogInfo("language", "packed weights mapped",
+                {{"path", outcome->path},
+                 {"bytes", static_cast<long long>((*file)->size())},
+                 {"form", key.form},
+                 {"seconds", outcome->seconds}});
+        SetFileState("mapped");
+        return *std::move(file);
+      }
+      reason = "corrupt";
+      file = sections;
+    }
+    if (reason != "missing") {
+      outcome->reason = absl::StrCat(reason, ": ", file.status().message());
+      LogWarning("language", "packed weights rejected, rebuilding",
+                 {{"path", outcome->path}, {"reason", reason},
+                  {"error", std::string(file.status().message())}});
+      CountPackedFileRejection(reason);
+    }
+  }
+  LoadPhaseTimer timer("language_packed_build");
+  const auto unwritten = [&](const absl::Status& s) -> std::shared_ptr<const PackedFile> {
+    const char* why = WriteFailureReason(s);
+    FileMetrics().unwritten->Add({{"reason", why}}).Increment();
+    outcome->state = "unavailable";
+    outcome->reason = absl::StrCat(why, ": ", s.message());
+    LogWarning("language", "packed weights not written, layers pack in memory",
+               {{"path", outcome->path}, {"reason", why}, {"error", std::string(s.message())}});
+    SetFileState("unavailable");
+    return nullptr;
+  };
+  absl::StatusOr<std::unique_ptr<PackedFileWriter>> writer = PackedFileWriter::Create(dir, key);
+  if (!writer.ok()) return unwritten(writer.status());
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    std::vector<at::Tensor> tensors;
+    std::vector<std::string> names;
+    for (int f = 0; f < kNumLayerFields; ++f) {
+      names.push_back(absl::StrCat(prefix, "layers.", l, ".", kLayerFields[f]));
+      absl::StatusOr<at::Tensor> t = FetchTensor(ckpt, names.back(), dtype);
+      if (!t.ok()) return unwritten(t.status());
+      tensors.push_back(*std::move(t));
+    }
+    std::shared_ptr<DecoderLayerWeights> w = FromTensors(std::move(tensors));
+    if (absl::Status s = ConvertProjections(form, l, *w); !s.ok()) return unwritten(s);
+    for (const NamedBytes& b : LayerSections(*w, form)) {
+      if (absl::Status s = (*writer)->Add(l, b.name, b.data, b.size); !s.ok()) {
+        return unwritten(s);
+      }
+    }
+    w.reset();
+    for (const std::string& name : names) ckpt.Evict(name).IgnoreError();
+  }
+  if (extra) {
+    if (absl::Status s = extra(**writer); !s.ok()) return unwritten(s);
+  }
+  const uint64_t bytes = (*writer)->bytes_written();
+  if (absl::Status s = (*writer)->Commit(); !s.ok()) return unwritten(s);
+  std::string reason;
+  absl::StatusOr<std::shared_ptr<PackedFile>> file = PackedFile::Open(outcome->path, key, &reason);
+  if (!file.ok()) return unwritten(file.status());
+  outcome->state = "built";
+  outcome->seconds = timer.Stop();
+  LogInfo("language", "packed weights built",
+          {{"path", outcome->path},
+           {"bytes", static_cast<long long>(bytes)},
+           {"form", key.form},
+           {"seconds", outcome->seconds},
+           {"replaced", outcome->reason.empty() ? "none" : outcome->reason}});
+  SetFileState("built");
+  return *std::move(file);
 }
 
 prometheus::Gauge& WeightBytesResidentGauge(const std::string& part) {
@@ -238,6 +646,7 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
   store->checkpoint_ = std::move(checkpoint);
   store->dtype_ = compute_dtype;
   store->options_ = options;
+  store->config_ = c;
   const SafetensorsCheckpoint& ckpt = *store->checkpoint_;
   const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
                 kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
@@ -271,6 +680,9 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
     }
   }
   store->in_place_ = all_in_place;
+  if (options.packed_file != nullptr && options.form == ProjectionForm::kDense) {
+    return absl::InvalidArgumentError("a packed-weight file needs a converting projection form");
+  }
   if (all_in_place) {
     // Views cost nothing and touch no page: make them once.
     for (Slot& slot : store->slots_) {
@@ -286,6 +698,8 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
   const StoreMetrics& m = Metrics();
   store->layers_gauge_ = m.layers;
   store->bytes_gauge_ = &WeightBytesResidentGauge("layers");
+  store->created_ = std::chrono::steady_clock::now();
+  store->background_.assign(c.num_hidden_layers, 0);
   if (options.eager_load) {
     const int n = options.resident_layers > 0
                       ? std::min<int>(options.resident_layers, c.num_hidden_layers)
@@ -295,7 +709,23 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
       if (!handle.ok()) return handle.status();
     }
   }
-  if (options.prefetch_layers > 0) {
+  const bool background = options.background_materialize &&
+                          (options.form != ProjectionForm::kDense || options.packed_file != nullptr);
+  if (background) {
+    const int n = options.resident_layers > 0
+                      ? std::min<int>(options.resident_layers, c.num_hidden_layers)
+                      : static_cast<int>(c.num_hidden_layers);
+    std::lock_guard<std::mutex> lock(store->mu_);
+    for (int l = 0; l < n; ++l) {
+      Slot& slot = store->slots_[l];
+      if (slot.state != State::kCold || slot.queued) continue;
+      slot.queued = true;
+      store->queue_.push_back(l);
+      store->background_[l] = 1;
+      ++store->background_left_;
+    }
+  }
+  if (options.prefetch_layers > 0 || background) {
     store->worker_ = std::thread([s = store.get()] { s->PrefetchLoop(); });
   }
   return store;
@@ -313,9 +743,45 @@ LayerStore::~LayerStore() {
   if (bytes_gauge_ != nullptr) bytes_gauge_->Decrement(static_cast<double>(resident_bytes_));
 }
 
-absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materialize(int layer) const {
+absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materialize(
+    int layer, bool* from_file) {
   const Slot& slot = slots_[layer];  // names and views are immutable after Create
   const SafetensorsCheckpoint& ckpt = *checkpoint_;
+  *from_file = false;
+  const PackedFile* file = options_.packed_file.get();
+  bool file_failed = false;
+  if (file != nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    file_failed = slot.file_failed;
+  }
+  if (file != nullptr && !file_failed) {
+    file->PrefetchGroup(layer);
+    // The first materialization in this process hashes the sections (which
+    // pages them in); later ones only fault the pages back.
+    absl::Status verified = file->VerifyGroup(layer);
+    if (verified.ok()) {
+      file->TouchGroup(layer);
+      absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> w =
+          LayerFromFile(*file, layer, options_.form, config_, dtype_);
+      if (w.ok()) {
+        *from_file = true;
+        return std::shared_ptr<const DecoderLayerWeights>(*std::move(w));
+      }
+      verified = w.status();
+    }
+    LogWarning("language", "packed weights rejected for a layer, converting it from the checkpoint",
+               {{"layer", layer}, {"path", file->path()}, {"reason", "section_checksum"},
+                {"error", verified.ToString()}});
+    CountPackedFileRejection("section_checksum");
+    file->EvictGroup(layer);
+    file->Discard();  // the next start rebuilds it
+    std::lock_guard<std::mutex> lock(mu_);
+    slots_[layer].file_failed = true;
+  }
+  if (options_.form != ProjectionForm::kDense || !in_place_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++conversions_;
+  }
   if (in_place_) {
     for (const std::string& name : slot.names) {
       absl::Status s = ckpt.Prefetch(name);
@@ -346,53 +812,7 @@ absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materiali
 }
 
 absl::Status LayerStore::Convert(int layer, DecoderLayerWeights& w) const {
-  const std::string where = absl::StrCat("layer ", layer, ": ");
-  try {
-    const at::Tensor qkv = at::cat({w.q_proj, w.k_proj, w.v_proj}, 0);  // [q + 2kv, hidden]
-    if (options_.form == ProjectionForm::kPacked) {
-      absl::StatusOr<kernels::PackedWeight> p = kernels::PackedWeight::Pack(qkv);
-      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
-      w.qkv = *std::move(p);
-      p = kernels::PackedWeight::Pack(w.o_proj);
-      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
-      w.o = *std::move(p);
-      p = kernels::PackedWeight::PackGateUp(w.gate_proj, w.up_proj);
-      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
-      w.gate_up = *std::move(p);
-      p = kernels::PackedWeight::Pack(w.down_proj);
-      if (!p.ok()) return absl::Status(p.status().code(), where + p.status().message().data());
-      w.down = *std::move(p);
-    } else if (options_.form == ProjectionForm::kInt4) {
-      kernels::Int4Weight* dst[] = {&w.qkv4, &w.o4, &w.gate_up4, &w.down4};
-      const at::Tensor src[] = {qkv, w.o_proj, at::cat({w.gate_proj, w.up_proj}, 0), w.down_proj};
-      for (int i = 0; i < 4; ++i) {
-        absl::StatusOr<kernels::Int4Weight> q = kernels::QuantizeInt4(src[i]);
-        if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
-        *dst[i] = *std::move(q);
-      }
-    } else {
-      absl::StatusOr<kernels::QuantizedWeight> q = kernels::QuantizeInt8(qkv);
-      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
-      w.qkv8 = *std::move(q);
-      q = kernels::QuantizeInt8(w.o_proj);
-      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
-      w.o8 = *std::move(q);
-      q = kernels::QuantizeInt8(at::cat({w.gate_proj, w.up_proj}, 0));
-      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
-      w.gate_up8 = *std::move(q);
-      q = kernels::QuantizeInt8(w.down_proj);
-      if (!q.ok()) return absl::Status(q.status().code(), where + q.status().message().data());
-      w.down8 = *std::move(q);
-    }
-  } catch (const c10::Error& e) {
-    return absl::InternalError(where + e.what_without_backtrace());
-  }
-  // One copy of every weight: release the dense projections (mapped pages
-  // back to the page cache, converted copies freed with the tensors).
-  for (at::Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj,
-                        &w.down_proj}) {
-    t->reset();
-  }
+  if (absl::Status s = ConvertProjections(options_.form, layer, w); !s.ok()) return s;
   if (in_place_) {
     const Slot& slot = slots_[layer];
     for (int f : {1, 2, 3, 4, 8, 9, 10}) checkpoint_->Evict(slot.names[f]).IgnoreError();
@@ -401,9 +821,10 @@ absl::Status LayerStore::Convert(int layer, DecoderLayerWeights& w) const {
 }
 
 void LayerStore::MarkResident(int layer, std::shared_ptr<const DecoderLayerWeights> weights,
-                              double seconds) {
+                              double seconds, bool from_file) {
   Slot& slot = slots_[layer];
   slot.state = State::kResident;
+  slot.from_file = from_file;
   slot.bytes = HeldBytes(*weights);  // the estimate from Create, made exact
   slot.weights = std::move(weights);
   slot.last_use = ++tick_;
@@ -413,11 +834,28 @@ void LayerStore::MarkResident(int layer, std::shared_ptr<const DecoderLayerWeigh
   layers_gauge_->Increment();
   bytes_gauge_->Increment(static_cast<double>(slot.bytes));
   Metrics().materialize_seconds->Observe(seconds);
+  BackgroundDone(layer);
+}
+
+void LayerStore::BackgroundDone(int layer) {
+  if (background_[layer] == 0) return;
+  background_[layer] = 0;
+  if (--background_left_ > 0) return;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - created_).count();
+  RecordLoadPhase("language_layers_background", seconds);
+  LogInfo("language", "layers materialized in the background",
+          {{"form", ProjectionFormName(options_.form)},
+           {"source", options_.packed_file != nullptr ? "packed file" : "checkpoint"},
+           {"layers", resident_count_},
+           {"seconds", seconds}});
 }
 
 void LayerStore::Drop(int layer) {
   Slot& slot = slots_[layer];
-  if (in_place_) {
+  if (slot.from_file) {
+    options_.packed_file->EvictGroup(layer);
+  } else if (in_place_) {
     for (const std::string& name : slot.names) checkpoint_->Evict(name).IgnoreError();
   }
   slot.weights.reset();  // converted copies are freed here (no handle holds them)
@@ -466,7 +904,9 @@ absl::StatusOr<LayerStore::Handle> LayerStore::Acquire(int layer) {
     slot.state = State::kLoading;
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> weights = Materialize(layer);
+    bool from_file = false;
+    absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> weights =
+        Materialize(layer, &from_file);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     lock.lock();
@@ -475,7 +915,7 @@ absl::StatusOr<LayerStore::Handle> LayerStore::Acquire(int layer) {
       cv_.notify_all();
       return weights.status();
     }
-    MarkResident(layer, *std::move(weights), seconds);
+    MarkResident(layer, *std::move(weights), seconds, from_file);
     cv_.notify_all();
   }
   ++slot.pins;
@@ -526,12 +966,15 @@ void LayerStore::PrefetchLoop() {
     // if every resident layer is pinned, the layer is loaded on demand instead.
     if (options_.resident_layers > 0 && resident_count_ >= options_.resident_layers &&
         !HasEvictableLayer()) {
+      BackgroundDone(layer);
       continue;
     }
     slot.state = State::kLoading;
     lock.unlock();
     const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> weights = Materialize(layer);
+    bool from_file = false;
+    absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> weights =
+        Materialize(layer, &from_file);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     lock.lock();
@@ -540,7 +983,7 @@ void LayerStore::PrefetchLoop() {
       LogWarning("language", "layer prefetch failed",
                  {{"layer", layer}, {"error", weights.status().ToString()}});
     } else {
-      MarkResident(layer, *std::move(weights), seconds);
+      MarkResident(layer, *std::move(weights), seconds, from_file);
       EnforceBound();
     }
     cv_.notify_all();
@@ -573,6 +1016,11 @@ uint64_t LayerStore::resident_bytes() const {
 int64_t LayerStore::materializations() const {
   std::lock_guard<std::mutex> lock(mu_);
   return materializations_;
+}
+
+int64_t LayerStore::conversions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return conversions_;
 }
 
 int64_t LayerStore::evictions() const {

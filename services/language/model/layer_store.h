@@ -15,6 +15,14 @@
 // and their dense pages released, so a dropped layer is converted again on its
 // next use.
 //
+// With a packed-weight file (options.packed_file, packed_file.h) a layer is
+// built from views of the file's mapping instead: its sections' checksums
+// are verified at its first materialization in the process (the read that
+// pages it in), nothing is converted, and a dropped layer's pages are
+// MADV_DONTNEED-ed like the checkpoint's. A layer whose sections fail the
+// check is converted from the checkpoint (and the file discarded for the
+// next start to rebuild).
+//
 // Metrics: vlm_language_layers_resident, vlm_language_weight_bytes_resident
 // {part="layers"} (and "embedding"/"projector" set by their owners),
 // vlm_language_layer_materialization_seconds.
@@ -23,9 +31,11 @@
 // lives) and must not outlive the store.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -41,6 +51,7 @@
 #include "common/kernels/quantize_int4.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "services/language/model/packed_file.h"
 
 namespace prometheus {
 class Gauge;
@@ -132,7 +143,73 @@ struct LayerStoreOptions {
   // What materialization makes of the projections (kPacked / kInt8 / kInt4 need a
   // bf16 compute dtype: Create rejects them otherwise).
   ProjectionForm form = ProjectionForm::kDense;
+  // The layers in `form`, mapped (OpenOrBuildPackedFile checked its
+  // sections); null: converted from the checkpoint on materialization.
+  std::shared_ptr<const PackedFile> packed_file;
+  // With a converting form or a packed file: the background thread
+  // materializes every layer (the first resident_layers under a bound), in
+  // layer order, right after Create, so that the first request waits only for
+  // the layers it reaches before the thread has them. Off: only on use and
+  // prefetch.
+  bool background_materialize = false;
 };
+
+// ---------------------------------------------------------------------------
+// Packed-weight file of the layers (packed_file.h)
+// ---------------------------------------------------------------------------
+
+// The file's form string for `form`: the projection form and its byte layout
+// ("packed/bf16-panels32", "int8/g32-i512"); empty for kDense (the checkpoint
+// is already the kernels' layout). A form's sections are listed in
+// layer_store.cc (LayerSections / LayerFromFile), one case per form.
+std::string PackedFormName(ProjectionForm form);
+// Identifies the checkpoint for the packed file's key: SHA-256 of its model
+// fingerprint (tensor headers and metadata, common/model_fingerprint.h) and
+// each file's name, size and modification time (the fingerprint does not
+// hash tensor values: rewritten weights with the same headers change mtime).
+std::string PackedCheckpointId(const SafetensorsCheckpoint& checkpoint);
+// 16 hex digits of SHA-256 of the checkpoint's absolute directory: the packed
+// file's name (PackedFileKey::stem).
+std::string PackedFileStem(const SafetensorsCheckpoint& checkpoint);
+
+// One flat byte array of a packed-file group (views of memory held elsewhere).
+struct NamedBytes {
+  std::string name;
+  const void* data = nullptr;
+  uint64_t size = 0;
+};
+// A projection's arrays under `name` ("<name>.panels" / "<name>.rows",
+// ".row_scales", ".ratios"), and the weight back from a file's group.
+void AppendPackedSections(const std::string& name, const kernels::PackedWeight& w,
+                          std::vector<NamedBytes>* out);
+void AppendInt8Sections(const std::string& name, const kernels::QuantizedWeight& w,
+                        std::vector<NamedBytes>* out);
+absl::StatusOr<kernels::PackedWeight> PackedFromFile(const PackedFile& file, int32_t group,
+                                                     const std::string& name, int64_t n,
+                                                     int64_t k, bool gate_up);
+absl::StatusOr<kernels::QuantizedWeight> Int8FromFile(const PackedFile& file, int32_t group,
+                                                      const std::string& name, int64_t n,
+                                                      int64_t k);
+// Group of the LM head in a packed file (layers are groups 0..L-1).
+inline constexpr int32_t kPackedHeadGroup = -1;
+
+struct PackedFileOutcome {
+  std::string path;
+  std::string state;   // "mapped", "built", or "unavailable" (packing in memory)
+  std::string reason;  // why an existing file was rejected / why none was written
+  double seconds = 0;  // mapping or building
+};
+// Maps `dir`/<key>.vlmpack for (checkpoint, form); when it is missing or
+// rejected (logged with the reason, counted), builds it: every layer
+// converted (in parallel within a layer, one layer in memory at a time),
+// `extra` adding further groups (the LM head), written atomically, then
+// mapped. Null (state "unavailable", logged) when `dir` is empty or not
+// writable or the disk is full: the caller packs in memory. Records
+// vlm_model_load_seconds{phase="language_packed_map"|"language_packed_build"}.
+std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
+    const SafetensorsCheckpoint& checkpoint, const TextConfig& config, const std::string& prefix,
+    at::ScalarType compute_dtype, ProjectionForm form, const std::string& dir,
+    const std::function<absl::Status(PackedFileWriter&)>& extra, PackedFileOutcome* outcome);
 
 class LayerStore {
  public:
@@ -184,6 +261,8 @@ class LayerStore {
   int resident_layers() const;
   uint64_t resident_bytes() const;
   int64_t materializations() const;  // layer loads since Create
+  int64_t conversions() const;       // of which converted from the checkpoint (not mapped)
+  const std::shared_ptr<const PackedFile>& packed_file() const { return options_.packed_file; }
   int64_t evictions() const;         // layers dropped by the bound
 
  private:
@@ -197,16 +276,22 @@ class LayerStore {
     uint64_t bytes = 0;              // resident size in options_.form
     std::shared_ptr<const DecoderLayerWeights> views;    // in place: set at Create
     std::shared_ptr<const DecoderLayerWeights> weights;  // while resident
+    bool from_file = false;          // resident weights are views of the packed file
+    bool file_failed = false;        // its sections failed their checksum: convert instead
   };
 
   LayerStore() = default;
   // Reads the layer's pages or converts it; no lock held.
-  absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> Materialize(int layer) const;
+  // *from_file: the weights are views of the packed file.
+  absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> Materialize(int layer,
+                                                                          bool* from_file);
   // Packs or quantizes the projections of a materialized layer (options_.form)
   // and releases the dense ones; no lock held.
   absl::Status Convert(int layer, DecoderLayerWeights& w) const;
   // Marks a loaded layer resident and updates metrics; lock held.
-  void MarkResident(int layer, std::shared_ptr<const DecoderLayerWeights> weights, double seconds);
+  void MarkResident(int layer, std::shared_ptr<const DecoderLayerWeights> weights, double seconds,
+                    bool from_file);
+  void BackgroundDone(int layer);  // lock held
   void Drop(int layer);  // lock held; the slot is resident and unpinned
   void EnforceBound();   // lock held
   bool HasEvictableLayer() const;  // lock held
@@ -216,6 +301,7 @@ class LayerStore {
 
   std::shared_ptr<const SafetensorsCheckpoint> checkpoint_;
   at::ScalarType dtype_;
+  TextConfig config_;
   bool in_place_ = true;
   LayerStoreOptions options_;
   prometheus::Gauge* layers_gauge_ = nullptr;
@@ -229,6 +315,10 @@ class LayerStore {
   uint64_t resident_bytes_ = 0;
   int64_t materializations_ = 0;
   int64_t evictions_ = 0;
+  int64_t conversions_ = 0;
+  int background_left_ = 0;  // layers of the background pass not yet resident
+  std::vector<char> background_;  // layer is part of the background pass
+  std::chrono::steady_clock::time_point created_;
   std::deque<int> queue_;
   bool stop_ = false;
   std::thread worker_;
