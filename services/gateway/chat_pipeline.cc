@@ -75,7 +75,9 @@ std::string NewRequestId() {
 
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
 
-std::string CacheLevelLabel(v1::CacheLevel level) {
+}  // namespace
+
+const char* CacheLevelName(v1::CacheLevel level) {
   switch (level) {
     case v1::CACHE_LEVEL_MISS: return "miss";
     case v1::CACHE_LEVEL_MEMORY: return "memory";
@@ -84,8 +86,6 @@ std::string CacheLevelLabel(v1::CacheLevel level) {
     default: return "unspecified";
   }
 }
-
-}  // namespace
 
 // One image of the request, in request order.
 struct ChatPipeline::ImageJob {
@@ -350,7 +350,7 @@ grpc::Status ChatPipeline::EncodeImages(const ChatCall& call, const v1::ChatRequ
     result.set_vision_ms(job.vision_ms);
     result.set_replica(r.replica().empty() ? job.outcome.replica : r.replica());
     *result.mutable_budget() = r.options();
-    metrics.images.Add({{"cache", CacheLevelLabel(r.cache())}}).Increment();
+    metrics.images.Add({{"cache", CacheLevelName(r.cache())}}).Increment();
     if (r.cache() != v1::CACHE_LEVEL_MISS && r.cache() != v1::CACHE_LEVEL_UNSPECIFIED) {
       ++record->cache_hits;
     }

@@ -127,6 +127,10 @@ struct ChatCall {
   Cancellation* cancellation = nullptr;  // may be null; not owned
 };
 
+// The cache level's name as the metrics label and the HTTP API's x_vlm show it
+// ("miss", "memory", "pixels", "disk"; "unspecified").
+const char* CacheLevelName(v1::CacheLevel level);
+
 class ChatPipeline {
  public:
   static constexpr char kServiceName[] = "vlm.v1.VisionLanguage";

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "services/gateway/chat_pipeline.h"
 #include "services/gateway/http_status.h"
 
 namespace vlm::gateway {
@@ -738,16 +739,6 @@ json Bytes(const std::string& text) {
   return bytes;
 }
 
-const char* CacheName(v1::CacheLevel level) {
-  switch (level) {
-    case v1::CACHE_LEVEL_MISS: return "miss";
-    case v1::CACHE_LEVEL_MEMORY: return "memory";
-    case v1::CACHE_LEVEL_PIXELS: return "pixels";
-    case v1::CACHE_LEVEL_DISK: return "disk";
-    default: return "unspecified";
-  }
-}
-
 // The gateway's own extras (x_vlm): what the page shows under an answer.
 json Extras(const std::string& request_id, const v1::Usage& usage, const v1::ChatTimings& t,
             const google::protobuf::RepeatedPtrField<v1::ImageResult>& images,
@@ -755,7 +746,7 @@ json Extras(const std::string& request_id, const v1::Usage& usage, const v1::Cha
   json list = json::array();
   for (const v1::ImageResult& image : images) {
     list.push_back({{"content_hash", image.content_hash()},
-                    {"cache", CacheName(image.cache())},
+                    {"cache", CacheLevelName(image.cache())},
                     {"cache_hit", image.cache() != v1::CACHE_LEVEL_MISS &&
                                       image.cache() != v1::CACHE_LEVEL_UNSPECIFIED},
                     {"grid", {image.grid().t(), image.grid().h(), image.grid().w()}},
