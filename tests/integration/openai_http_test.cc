@@ -14,9 +14,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -318,6 +320,102 @@ TEST_F(OpenAiHttpTest, CurlSeesSseFramingRoleDeltasFinishUsageAndDone) {
   ASSERT_TRUE(res);
   ASSERT_EQ(res->status, 200);
   EXPECT_EQ(text, json::parse(res->body)["choices"][0]["message"]["content"]);
+}
+
+// n > 1: n choices of one prompt, the 2nd..nth prefilled from the prefix cache,
+// usage counting the prompt once; with a seed each choice is reproducible and
+// choice 0 is the n = 1 answer; streamed chunks name their choice.
+TEST_F(OpenAiHttpTest, NChoicesShareThePromptAndStreamWithTheirIndex) {
+  const std::string prompt =
+      "Write three different short titles for a story about a lighthouse keeper who finds a "
+      "message in a bottle on a stormy winter night, and explain each one briefly.";
+  json body = ChatBody(prompt, 4);
+  body["temperature"] = 1.0;
+  body["seed"] = 1234;
+  body["n"] = 3;
+  auto res = Post(body);
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json c = json::parse(res->body);
+  ASSERT_EQ(c["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(c["choices"][i]["index"], i);
+    EXPECT_EQ(c["choices"][i]["finish_reason"], "length");
+  }
+  const int prompt_tokens = c["usage"]["prompt_tokens"];
+  EXPECT_GT(prompt_tokens, 32);
+  EXPECT_EQ(c["usage"]["completion_tokens"], 12);  // summed over the choices
+  EXPECT_EQ(c["usage"]["total_tokens"], prompt_tokens + 12);
+  // The 2nd and 3rd prompt came from the prefix cache (all but the last partial block).
+  ASSERT_EQ(c["x_vlm"]["choice_usage"].size(), 3u);
+  for (int i = 1; i < 3; ++i) {
+    const json& u = c["x_vlm"]["choice_usage"][i];
+    EXPECT_EQ(u["prompt_tokens"], prompt_tokens);
+    EXPECT_EQ(u["completion_tokens"], 4);
+    EXPECT_GE(u["prompt_tokens_details"]["cached_tokens"].get<int>(), prompt_tokens - 32) << u;
+  }
+  // Each choice has its own seed: the choices differ (4 sampled tokens each
+  // at temperature 1 over a 151k vocabulary), and the same request repeats them.
+  std::set<std::string> distinct;
+  for (const json& choice : c["choices"]) distinct.insert(choice["message"]["content"].get<std::string>());
+  EXPECT_EQ(distinct.size(), 3u) << res->body;
+  auto again = Post(body);
+  ASSERT_TRUE(again);
+  ASSERT_EQ(again->status, 200);
+  EXPECT_EQ(json::parse(again->body)["choices"], c["choices"]);
+  json one = body;
+  one.erase("n");
+  auto single = Post(one);
+  ASSERT_TRUE(single);
+  ASSERT_EQ(single->status, 200);
+  EXPECT_EQ(json::parse(single->body)["choices"][0]["message"]["content"],
+            c["choices"][0]["message"]["content"]);
+
+  // Streamed: every choice opens with its role chunk, its deltas add up to the
+  // non-streamed text, it ends with its own finish chunk; one usage chunk last.
+  json stream = body;
+  stream["stream"] = true;
+  stream["stream_options"] = {{"include_usage", true}};
+  const CurlResult r = Curl(log_dir_, {"-N", "-H", "Content-Type: application/json", "-d",
+                                       stream.dump(), Url("/v1/chat/completions")});
+  ASSERT_EQ(r.exit_code, 0) << r.headers;
+  ASSERT_EQ(HttpCode(r), 200) << r.body;
+  ASSERT_TRUE(absl::EndsWith(r.body, "data: [DONE]\n\n")) << r.body;
+  std::vector<std::string> events = absl::StrSplit(r.body, "\n\n", absl::SkipEmpty());
+  std::map<int, std::string> text;
+  std::map<int, int> roles, finishes;
+  int usage_chunks = 0;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i].substr(6));
+    if (chunk["choices"].empty()) {
+      ++usage_chunks;
+      EXPECT_EQ(chunk["usage"]["completion_tokens"], 12);
+      EXPECT_EQ(chunk["usage"]["prompt_tokens"], prompt_tokens);
+      continue;
+    }
+    const int index = chunk["choices"][0]["index"];
+    const json& delta = chunk["choices"][0]["delta"];
+    if (delta.contains("role")) {
+      EXPECT_EQ(text[index], "") << "role chunk first";
+      ++roles[index];
+    }
+    if (delta.contains("content")) text[index] += delta["content"].get<std::string>();
+    if (chunk["choices"][0]["finish_reason"].is_string()) ++finishes[index];
+  }
+  EXPECT_EQ(usage_chunks, 1);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(roles[i], 1) << i;
+    EXPECT_EQ(finishes[i], 1) << i;
+    EXPECT_EQ(text[i], c["choices"][i]["message"]["content"]) << i;
+  }
+
+  // More than --max_n (8): a 400 naming n.
+  json too_many = body;
+  too_many["n"] = 9;
+  auto refused = Post(too_many);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400);
+  EXPECT_EQ(json::parse(refused->body)["error"]["param"], "n") << refused->body;
 }
 
 TEST_F(OpenAiHttpTest, ImageDataUrlIsEncodedOnceThenServedFromTheCache) {
