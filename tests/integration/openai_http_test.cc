@@ -662,6 +662,51 @@ TEST_F(OpenAiHttpTest, ClientDisconnectCancelsTheGenerationAndFreesTheSlot) {
   EXPECT_EQ(res->status, 200) << res->body;
 }
 
+// n > 1: a client gone cancels every choice, the running one and those
+// queued behind it on the single language slot.
+TEST_F(OpenAiHttpTest, ClientDisconnectCancelsEveryChoice) {
+  json body = ChatBody("Tell me three very long stories, one after another.", 8192);
+  body["ignore_eos"] = true;
+  body["stream"] = true;
+  body["n"] = 3;
+  const std::string out = log_dir_ + "/disconnect_n.sse";
+  std::remove(out.c_str());
+  const pid_t curl = ::fork();
+  if (curl == 0) {
+    ::execlp("curl", "curl", "-sN", "--max-time", "120", "-o", out.c_str(), "-H",
+             "Content-Type: application/json", "-d", body.dump().c_str(),
+             Url("/v1/chat/completions").c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_GT(curl, 0);
+  // Choice 0 is streaming and the other two wait for the slot (--max_sequences=1).
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return ReadFile(out).size() > 2000 &&
+               Metric(language_->metrics_port, "vlm_language_queue_depth") == 2;
+      },
+      absl::Seconds(30)))
+      << "streamed " << ReadFile(out).size() << " bytes, queue depth "
+      << Metric(language_->metrics_port, "vlm_language_queue_depth");
+  EXPECT_EQ(Metric(language_->metrics_port, "vlm_language_sequences_running"), 1);
+
+  ::kill(curl, SIGKILL);
+  int status = 0;
+  ::waitpid(curl, &status, 0);
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return Metric(gateway_->metrics_port, "vlm_gateway_admission_running") == 0 &&
+               Metric(language_->metrics_port, "vlm_language_sequences_running") == 0 &&
+               Metric(language_->metrics_port, "vlm_language_queue_depth") == 0;
+      },
+      absl::Seconds(5)))
+      << "running " << Metric(language_->metrics_port, "vlm_language_sequences_running")
+      << ", queued " << Metric(language_->metrics_port, "vlm_language_queue_depth");
+  auto res = Post(ChatBody("Are you free?", 2));
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+}
+
 TEST_F(OpenAiHttpTest, NonStreamedClientDisconnectCancelsTheGenerationAndFreesTheSlot) {
   // The OpenAI SDKs' default mode: nothing is written until the end, so only
   // the gateway's watch on the connection can notice the client leaving.
