@@ -5,6 +5,7 @@
 #include <prometheus/histogram.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -20,6 +21,7 @@
 #include "common/metrics.h"
 #include "common/sha256.h"
 #include "services/gateway/backend_call.h"
+#include "services/gateway/tool_calls.h"
 
 namespace vlm::gateway {
 namespace {
@@ -137,7 +139,13 @@ bool CollectingSink::OnFinal(v1::ChatChunk& chunk) {
   if (chunk.index() < response_->choices_size()) {
     response_->mutable_choices(chunk.index())->set_finish_reason(chunk.finish_reason());
   }
-  if (chunk.index() == 0) response_->set_finish_reason(chunk.finish_reason());
+  if (chunk.index() < response_->choices_size()) {
+    *response_->mutable_choices(chunk.index())->mutable_tool_calls() = chunk.tool_calls();
+  }
+  if (chunk.index() == 0) {
+    response_->set_finish_reason(chunk.finish_reason());
+    *response_->mutable_tool_calls() = chunk.tool_calls();
+  }
   if (!chunk.has_usage()) return true;  // a choice's end, not the request's
   for (int i = 0; i < chunk.choice_usage_size() && i < response_->choices_size(); ++i) {
     *response_->mutable_choices(i)->mutable_usage() = chunk.choice_usage(i);
@@ -556,6 +564,32 @@ class ChoiceSink final : public ChatSink {
   bool* const started_;
 };
 
+// Tools offered (and tool_choice not NONE): gathers each choice's text and
+// puts the calls parsed from it on the choice's final chunk.
+class ToolCallSink final : public ChatSink {
+ public:
+  ToolCallSink(ChatSink* sink, std::string request_id)
+      : sink_(sink), request_id_(std::move(request_id)) {}
+  bool OnDelta(v1::ChatChunk& chunk) override {
+    text_[chunk.index()] += chunk.text();
+    return sink_->OnDelta(chunk);
+  }
+  bool OnFinal(v1::ChatChunk& chunk) override {
+    std::string& text = text_[chunk.index()];
+    text += chunk.text();
+    for (v1::ToolCall& call :
+         ParseToolCallText(text, ToolCallIdPrefix(request_id_, chunk.index())).calls) {
+      *chunk.add_tool_calls() = std::move(call);
+    }
+    return sink_->OnFinal(chunk);
+  }
+
+ private:
+  ChatSink* const sink_;
+  const std::string request_id_;
+  std::map<int, std::string> text_;
+};
+
 }  // namespace
 
 grpc::Status ChatPipeline::RelayChoices(const ChatCall& call, absl::Time deadline,
@@ -736,6 +770,10 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   std::vector<std::string> image_keys;
   for (const ImageJob& job : jobs) image_keys.push_back(job.key);
   const std::string route_key = ConversationRouteKey(request, image_keys);
+  ToolCallSink tool_sink(sink, request_id);
+  if (request.tools_size() > 0 && request.tool_choice().mode() != v1::TOOL_CHOICE_NONE) {
+    sink = &tool_sink;
+  }
   std::vector<v1::GenerateResponse> lasts;
   double first_token_ms = -1;
   const int n = std::max(1, request.n());

@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "services/gateway/chat_pipeline.h"
 #include "services/gateway/http_status.h"
+#include "services/gateway/tool_calls.h"
 
 namespace vlm::gateway {
 namespace {
@@ -869,51 +870,6 @@ std::string ChunkFormatter::DeltaChunk(const v1::ChatChunk& delta) const {
   return DumpJson(DeltaJson(delta.index(), {{"content", content}}, &delta.logprobs(), nullptr));
 }
 
-ParsedToolCalls ParseToolCallText(const std::string& text, const std::string& id_prefix) {
-  static const std::string kOpen("<tool_call>");
-  static const std::string kClose("</tool_call>");
-  ParsedToolCalls out;
-  const size_t first = text.find(kOpen);
-  if (first == std::string::npos) {
-    out.content = text;
-    return out;
-  }
-  size_t pos = first;
-  while (pos != std::string::npos) {
-    const size_t body = pos + kOpen.size();
-    const size_t close = text.find(kClose, body);
-    const std::string inner = text.substr(body, close == std::string::npos ? std::string::npos
-                                                                           : close - body);
-    const json call = json::parse(inner, nullptr, /*allow_exceptions=*/false);
-    const json* name = call.is_object() ? Field(call, "name") : nullptr;
-    const json* arguments = call.is_object() ? Field(call, "arguments") : nullptr;
-    if (name == nullptr || !name->is_string() || arguments == nullptr ||
-        !(arguments->is_object() || arguments->is_string())) {
-      out.calls.clear();
-      out.content = text;
-      return out;
-    }
-    v1::ToolCall c;
-    c.set_id(absl::StrCat(id_prefix, out.calls.size()));
-    c.set_name(name->get<std::string>());
-    c.set_arguments(arguments->is_string() ? arguments->get<std::string>() : DumpJson(*arguments));
-    out.calls.push_back(std::move(c));
-    if (close == std::string::npos) break;
-    // Only whitespace may separate blocks; anything else is not a call list.
-    size_t next = close + kClose.size();
-    while (next < text.size() && absl::ascii_isspace(static_cast<unsigned char>(text[next]))) ++next;
-    if (next == text.size()) break;
-    if (text.compare(next, kOpen.size(), kOpen) != 0) {
-      out.calls.clear();
-      out.content = text;
-      return out;
-    }
-    pos = next;
-  }
-  out.content = std::string(absl::StripTrailingAsciiWhitespace(text.substr(0, first)));
-  return out;
-}
-
 namespace {
 
 json ToolCallsJson(const std::vector<v1::ToolCall>& calls) {
@@ -994,8 +950,7 @@ std::vector<std::string> ChunkFormatter::FinalChunks(const v1::ChatChunk& last) 
 std::string ChunkFormatter::CallIdPrefix(int index) const {
   std::string id = id_;
   if (absl::StartsWith(id, "chatcmpl-")) id = id.substr(9);
-  // Choice 0's ids are call_<id>_<i>; another choice's are call_<id>_c<choice>_<i>.
-  return index == 0 ? absl::StrCat("call_", id, "_") : absl::StrCat("call_", id, "_c", index, "_");
+  return ToolCallIdPrefix(id, index);
 }
 
 json ChunkFormatter::ChoiceJson(int index, const std::string& text, v1::FinishReason reason,

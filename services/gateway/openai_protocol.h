@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "nlohmann/json.hpp"
+#include "services/gateway/tool_calls.h"
 #include "vlm/v1/gateway.pb.h"
 
 namespace vlm::gateway {
@@ -150,13 +151,6 @@ class ChunkFormatter {
   };
   mutable std::map<int, Stream> streams_;
 };
-
-// A completion's text split into content and tool calls (tool-call mode).
-struct ParsedToolCalls {
-  std::string content;             // text before the first block (trailing whitespace dropped)
-  std::vector<v1::ToolCall> calls;  // empty: no (valid) block, all text is content
-};
-ParsedToolCalls ParseToolCallText(const std::string& text, const std::string& id_prefix);
 
 // Pieces shared with the non-streaming path; exposed for tests.
 nlohmann::json UsageJson(const v1::Usage& usage);
