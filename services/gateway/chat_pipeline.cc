@@ -643,6 +643,7 @@ grpc::Status ChatPipeline::RelayChoices(const ChatCall& call, absl::Time deadlin
   };
   std::vector<std::thread> threads;
   threads.emplace_back(run, 0, request_for(0));
+  bool first_failed = false;
   {
     // The others start once choice 0's prompt is prefilled (its first token),
     // so they find it in the replica's prefix cache instead of prefilling it
@@ -651,11 +652,9 @@ grpc::Status ChatPipeline::RelayChoices(const ChatCall& call, absl::Time deadlin
     Choice* first = choices[0].get();
     mu.Await(absl::Condition(
         +[](Choice* c) { return c->started || c->done; }, first));
+    first_failed = first->done && !first->status.ok();
   }
-  for (int i = 1; i < n; ++i) {
-    if (choices[0]->done && !choices[0]->status.ok()) break;
-    threads.emplace_back(run, i, request_for(i));
-  }
+  for (int i = 1; i < n && !first_failed; ++i) threads.emplace_back(run, i, request_for(i));
   generate.Clear();
   for (std::thread& t : threads) t.join();
 
