@@ -697,6 +697,8 @@ int StructuredBench(const std::string& binary, const std::string& dir) {
   std::printf("| metric | value |\n|---|---|\n");
   std::printf("| grammar vocabulary from the tokenizer (ms, once per process) | %.1f |\n", vocab_ms);
   std::printf("| schema compile: grammar + automaton (ms) | %.2f |\n", Median(compile_ms));
+  std::printf("| schema automaton: states / byte classes | %d / %d |\n",
+              compiled->grammar().num_states(), compiled->grammar().num_byte_classes());
   std::printf("| first token mask of the schema (ms, cold mask cache) | %.2f |\n", Median(warm_ms));
   std::printf("| token mask per decode step, warm: median / p90 (us) | %.0f / %.0f |\n",
               Median(step_us), [&] {
