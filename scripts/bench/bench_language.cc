@@ -721,6 +721,23 @@ int StructuredBench(const std::string& binary, const std::string& dir) {
       }
     }
   }
+  // The in-process rows first: they need no server.
+  std::printf("vlm-bench-language --structured: %s, %d threads, medians of %d runs, %d decode "
+              "tokens per stream at most\n\n", dir.c_str(), absl::GetFlag(FLAGS_threads), runs,
+              StructuredTokens());
+  std::printf("| metric | value |\n|---|---|\n");
+  std::printf("| grammar vocabulary from the tokenizer (ms, once per process) | %.1f |\n", vocab_ms);
+  std::printf("| schema compile: grammar + automaton (ms) | %.2f |\n", Median(compile_ms));
+  std::printf("| schema automaton: states / byte classes | %d / %d |\n",
+              compiled->grammar().num_states(), compiled->grammar().num_byte_classes());
+  std::printf("| first token mask of the schema (ms, cold mask cache) | %.2f |\n", Median(warm_ms));
+  std::printf("| token mask per decode step, warm: median / p90 (us) | %.0f / %.0f |\n",
+              Median(step_us), [&] {
+                std::vector<double> v = step_us;
+                std::sort(v.begin(), v.end());
+                return v.empty() ? 0.0 : v[v.size() * 9 / 10];
+              }());
+  std::fflush(stdout);
   // The server: decode with and without the schema.
   std::vector<std::string> flags = {
       "--grpc_address=127.0.0.1:0", "--metrics_address=", absl::StrCat("--model_dir=", dir),
@@ -749,19 +766,6 @@ int StructuredBench(const std::string& binary, const std::string& dir) {
     row.with = DecodeRate(*stub, streams, true, runs);
     rows.push_back(row);
   }
-  std::printf("vlm-bench-language --structured: %s, %d threads, medians of %d runs, %d decode "
-              "tokens per stream at most\n\n", dir.c_str(), absl::GetFlag(FLAGS_threads), runs,
-              StructuredTokens());
-  std::printf("| metric | value |\n|---|---|\n");
-  std::printf("| grammar vocabulary from the tokenizer (ms, once per process) | %.1f |\n", vocab_ms);
-  std::printf("| schema compile: grammar + automaton (ms) | %.2f |\n", Median(compile_ms));
-  std::printf("| first token mask of the schema (ms, cold mask cache) | %.2f |\n", Median(warm_ms));
-  std::printf("| token mask per decode step, warm: median / p90 (us) | %.0f / %.0f |\n",
-              Median(step_us), [&] {
-                std::vector<double> v = step_us;
-                std::sort(v.begin(), v.end());
-                return v.empty() ? 0.0 : v[v.size() * 9 / 10];
-              }());
   for (const Row& r : rows) {
     const double step_ms = r.without > 0 ? 1000.0 * r.streams / r.without : 0;
     std::printf("| decode tokens/s, %d stream%s: without schema / with schema | %.1f / %.1f |\n",

@@ -5,6 +5,8 @@
 #include <prometheus/histogram.h>
 
 #include <algorithm>
+#include <map>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "common/metrics.h"
 #include "common/sha256.h"
 #include "services/gateway/backend_call.h"
+#include "services/gateway/tool_calls.h"
 
 namespace vlm::gateway {
 namespace {
@@ -75,7 +78,9 @@ std::string NewRequestId() {
 
 double Ms(absl::Duration d) { return absl::ToDoubleMilliseconds(d); }
 
-std::string CacheLevelLabel(v1::CacheLevel level) {
+}  // namespace
+
+const char* CacheLevelName(v1::CacheLevel level) {
   switch (level) {
     case v1::CACHE_LEVEL_MISS: return "miss";
     case v1::CACHE_LEVEL_MEMORY: return "memory";
@@ -84,8 +89,6 @@ std::string CacheLevelLabel(v1::CacheLevel level) {
     default: return "unspecified";
   }
 }
-
-}  // namespace
 
 // One image of the request, in request order.
 struct ChatPipeline::ImageJob {
@@ -108,6 +111,24 @@ v1::ImageOptions MergedOptions(const v1::ImageOptions& defaults, const v1::Image
 }  // namespace
 
 bool CollectingSink::OnDelta(v1::ChatChunk& chunk) {
+  // Several choices: each gathers in `choices` (choice 0 as well, starting
+  // from what the top-level fields gathered before another choice showed up).
+  if (chunk.index() > 0 && response_->choices_size() == 0) {
+    v1::ChatChoice* zero = response_->add_choices();
+    zero->set_text(response_->text());
+    zero->set_finish_reason(response_->finish_reason());
+    *zero->mutable_logprobs() = response_->logprobs();
+  }
+  if (response_->choices_size() > 0) {
+    while (response_->choices_size() <= chunk.index()) {
+      const int index = response_->choices_size();
+      response_->add_choices()->set_index(index);
+    }
+    v1::ChatChoice& choice = *response_->mutable_choices(chunk.index());
+    choice.mutable_text()->append(chunk.text());
+    for (const v1::TokenLogprob& lp : chunk.logprobs()) *choice.add_logprobs() = lp;
+  }
+  if (chunk.index() != 0) return true;
   response_->mutable_text()->append(chunk.text());
   for (v1::TokenLogprob& lp : *chunk.mutable_logprobs()) *response_->add_logprobs() = std::move(lp);
   return true;
@@ -115,7 +136,20 @@ bool CollectingSink::OnDelta(v1::ChatChunk& chunk) {
 
 bool CollectingSink::OnFinal(v1::ChatChunk& chunk) {
   OnDelta(chunk);
-  response_->set_finish_reason(chunk.finish_reason());
+  if (chunk.index() < response_->choices_size()) {
+    response_->mutable_choices(chunk.index())->set_finish_reason(chunk.finish_reason());
+  }
+  if (chunk.index() < response_->choices_size()) {
+    *response_->mutable_choices(chunk.index())->mutable_tool_calls() = chunk.tool_calls();
+  }
+  if (chunk.index() == 0) {
+    response_->set_finish_reason(chunk.finish_reason());
+    *response_->mutable_tool_calls() = chunk.tool_calls();
+  }
+  if (!chunk.has_usage()) return true;  // a choice's end, not the request's
+  for (int i = 0; i < chunk.choice_usage_size() && i < response_->choices_size(); ++i) {
+    *response_->mutable_choices(i)->mutable_usage() = chunk.choice_usage(i);
+  }
   response_->mutable_usage()->Swap(chunk.mutable_usage());
   response_->mutable_timings()->Swap(chunk.mutable_timings());
   response_->mutable_images()->Swap(chunk.mutable_images());
@@ -267,6 +301,11 @@ absl::StatusOr<Admission::Permit> ChatPipeline::Admit(const ChatCall& call,
     metrics.rejected.Add({{"reason", "invalid_argument"}}).Increment();
     return s;
   }
+  if (request.n() < 0 || request.n() > options_.max_n) {
+    metrics.rejected.Add({{"reason", "invalid_argument"}}).Increment();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "n is ", request.n(), "; it must be between 1 and ", options_.max_n, " (--max_n)"));
+  }
   if (absl::Status s = CheckImageCost(request, deadline); !s.ok()) {
     metrics.rejected.Add({{"reason", absl::IsDeadlineExceeded(s) ? "deadline" : "invalid_argument"}})
         .Increment();
@@ -350,7 +389,7 @@ grpc::Status ChatPipeline::EncodeImages(const ChatCall& call, const v1::ChatRequ
     result.set_vision_ms(job.vision_ms);
     result.set_replica(r.replica().empty() ? job.outcome.replica : r.replica());
     *result.mutable_budget() = r.options();
-    metrics.images.Add({{"cache", CacheLevelLabel(r.cache())}}).Increment();
+    metrics.images.Add({{"cache", CacheLevelName(r.cache())}}).Increment();
     if (r.cache() != v1::CACHE_LEVEL_MISS && r.cache() != v1::CACHE_LEVEL_UNSPECIFIED) {
       ++record->cache_hits;
     }
@@ -490,43 +529,214 @@ grpc::Status ChatPipeline::Relay(const ChatCall& call, absl::Time deadline, absl
   return MapLanguageError(failed, 0, route->replica());
 }
 
-// The final chunk: text left, usage, timings, per-image results; metrics and
-// the access-log record.
-grpc::Status ChatPipeline::Finish(v1::GenerateResponse& last, absl::Time start,
+namespace {
+
+// Choice i's seed when the request gives one: choice 0 keeps it (so n = 1 and
+// choice 0 of n > 1 agree), the others get SplitMix64(seed + i), far apart
+// from each other and from the seeds of neighbouring requests.
+uint64_t ChoiceSeed(uint64_t seed, int choice) {
+  if (choice == 0) return seed;
+  uint64_t z = seed + static_cast<uint64_t>(choice) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// One choice's view of the request's sink: tags its chunks with the choice
+// index and serializes the choices' calls (the sink is called by one thread
+// at a time). Notes the first delta, which means the prompt is prefilled.
+class ChoiceSink final : public ChatSink {
+ public:
+  ChoiceSink(ChatSink* sink, absl::Mutex* mu, int index, bool* started)
+      : sink_(sink), mu_(mu), index_(index), started_(started) {}
+  bool OnDelta(v1::ChatChunk& chunk) override {
+    absl::MutexLock lock(mu_);
+    *started_ = true;
+    chunk.set_index(index_);
+    return sink_->OnDelta(chunk);
+  }
+  bool OnFinal(v1::ChatChunk&) override { return false; }  // the pipeline sends the finals
+
+ private:
+  ChatSink* const sink_;
+  absl::Mutex* const mu_;
+  const int index_;
+  bool* const started_;
+};
+
+// Tools offered (and tool_choice not NONE): gathers each choice's text and
+// puts the calls parsed from it on the choice's final chunk.
+class ToolCallSink final : public ChatSink {
+ public:
+  ToolCallSink(ChatSink* sink, std::string request_id)
+      : sink_(sink), request_id_(std::move(request_id)) {}
+  bool OnDelta(v1::ChatChunk& chunk) override {
+    text_[chunk.index()] += chunk.text();
+    return sink_->OnDelta(chunk);
+  }
+  bool OnFinal(v1::ChatChunk& chunk) override {
+    std::string& text = text_[chunk.index()];
+    text += chunk.text();
+    for (v1::ToolCall& call :
+         ParseToolCallText(text, ToolCallIdPrefix(request_id_, chunk.index())).calls) {
+      *chunk.add_tool_calls() = std::move(call);
+    }
+    return sink_->OnFinal(chunk);
+  }
+
+ private:
+  ChatSink* const sink_;
+  const std::string request_id_;
+  std::map<int, std::string> text_;
+};
+
+}  // namespace
+
+grpc::Status ChatPipeline::RelayChoices(const ChatCall& call, absl::Time deadline,
+                                        absl::Time start, int n, v1::GenerateRequest generate,
+                                        const std::string& request_id,
+                                        const std::string& route_key, ChatSink* sink,
+                                        std::vector<v1::GenerateResponse>* lasts,
+                                        double* first_token_ms, v1::LanguageRoute* route) const {
+  struct Choice {
+    Cancellation cancellation;  // raised by the request's, or by a sibling that failed
+    v1::GenerateResponse last;
+    double first_token_ms = -1;
+    v1::LanguageRoute route;
+    grpc::Status status;
+    bool started = false;  // guarded by mu
+    bool done = false;     // guarded by mu
+  };
+  std::vector<std::unique_ptr<Choice>> choices;
+  for (int i = 0; i < n; ++i) choices.push_back(std::make_unique<Choice>());
+  auto cancel_all = [&choices] {
+    for (auto& c : choices) c->cancellation.Cancel();
+  };
+  // The request's cancellation reaches every choice. Unregistered before
+  // `choices` goes (declared after it).
+  struct Registration {
+    Cancellation* c;
+    ~Registration() {
+      if (c != nullptr) c->Unregister();
+    }
+  } registration{call.cancellation};
+  if (call.cancellation != nullptr) call.cancellation->Register(cancel_all);
+
+  absl::Mutex mu;
+  auto run = [&](int i, v1::GenerateRequest request) {
+    Choice& c = *choices[i];
+    ChatCall choice_call = call;
+    choice_call.cancellation = &c.cancellation;
+    ChoiceSink choice_sink(sink, &mu, i, &c.started);
+    grpc::Status status = Relay(choice_call, deadline, start, std::move(request), request_id,
+                                route_key, &choice_sink, &c.last, &c.first_token_ms, &c.route);
+    if (!status.ok()) cancel_all();  // one choice failing fails the request
+    absl::MutexLock lock(&mu);
+    c.status = std::move(status);
+    c.done = true;
+  };
+  auto request_for = [&generate](int i) {
+    v1::GenerateRequest request = generate;
+    v1::SamplingParams* sampling = request.mutable_params()->mutable_sampling();
+    if (sampling->has_seed()) sampling->set_seed(ChoiceSeed(sampling->seed(), i));
+    return request;
+  };
+  std::vector<std::thread> threads;
+  threads.emplace_back(run, 0, request_for(0));
+  bool first_failed = false;
+  {
+    // The others start once choice 0's prompt is prefilled (its first token),
+    // so they find it in the replica's prefix cache instead of prefilling it
+    // n times side by side.
+    absl::MutexLock lock(&mu);
+    Choice* first = choices[0].get();
+    mu.Await(absl::Condition(
+        +[](Choice* c) { return c->started || c->done; }, first));
+    first_failed = first->done && !first->status.ok();
+  }
+  for (int i = 1; i < n && !first_failed; ++i) threads.emplace_back(run, i, request_for(i));
+  generate.Clear();
+  for (std::thread& t : threads) t.join();
+
+  // The first real failure (a sibling's CANCELLED follows it).
+  grpc::Status failed;
+  for (auto& c : choices) {
+    if (c->status.ok()) continue;
+    if (failed.ok() || (failed.error_code() == grpc::StatusCode::CANCELLED &&
+                        c->status.error_code() != grpc::StatusCode::CANCELLED)) {
+      failed = c->status;
+    }
+  }
+  if (!failed.ok()) return failed;
+  *first_token_ms = choices[0]->first_token_ms;
+  for (auto& c : choices) {
+    if (c->first_token_ms >= 0 && (*first_token_ms < 0 || c->first_token_ms < *first_token_ms)) {
+      *first_token_ms = c->first_token_ms;
+    }
+  }
+  *route = choices[0]->route;
+  for (auto& c : choices) lasts->push_back(std::move(c->last));
+  return grpc::Status::OK;
+}
+
+// The final chunks (one per choice): text left, usage, timings, per-image
+// results on the last; metrics and the access-log record. With several
+// choices, usage counts the prompt once and sums the completions.
+grpc::Status ChatPipeline::Finish(std::vector<v1::GenerateResponse>& lasts, absl::Time start,
                                   absl::Time admitted, double vision_ms, double first_token_ms,
                                   std::vector<v1::ImageResult>& images,
                                   const v1::LanguageRoute& route, const std::string& request_id,
                                   ChatSink* sink, Record* record) const {
   GatewayMetrics& metrics = Metrics();
-  const v1::LanguageTimings& lt = last.timings();
+  const v1::GenerateResponse& first = lasts.front();
+  const v1::LanguageTimings& lt = first.timings();
   v1::ChatTimings timings;
   timings.set_queue_ms(Ms(admitted - start) + lt.queue_ms());
   timings.set_vision_ms(vision_ms);
   timings.set_projector_ms(lt.projector_ms());
   timings.set_prefill_ms(lt.prefill_ms());
-  if (first_token_ms < 0 && !last.text().empty()) first_token_ms = Ms(absl::Now() - start);
+  if (first_token_ms < 0 && !first.text().empty()) first_token_ms = Ms(absl::Now() - start);
   timings.set_first_token_ms(first_token_ms < 0 ? 0 : first_token_ms);
-  timings.set_decode_ms(lt.decode_ms());
+  double decode_ms = 0;
+  for (const v1::GenerateResponse& last : lasts) {
+    decode_ms = std::max(decode_ms, last.timings().decode_ms());
+  }
+  timings.set_decode_ms(decode_ms);
   timings.set_total_ms(Ms(absl::Now() - start));
   if (first_token_ms >= 0) metrics.first_token_seconds.Observe(first_token_ms / 1000);
-  record->first_token_ms = timings.first_token_ms();
-  record->prompt_tokens = last.usage().prompt_tokens();
-  record->completion_tokens = last.usage().completion_tokens();
-  metrics.tokens.Add({{"kind", "prompt"}}).Increment(last.usage().prompt_tokens());
-  metrics.tokens.Add({{"kind", "image"}}).Increment(last.usage().image_tokens());
-  metrics.tokens.Add({{"kind", "completion"}}).Increment(last.usage().completion_tokens());
 
-  v1::ChatChunk chunk;
-  chunk.set_text(last.text());
-  chunk.mutable_logprobs()->Swap(last.mutable_logprobs());
-  chunk.set_finish_reason(last.finish_reason());
-  *chunk.mutable_usage() = last.usage();
-  *chunk.mutable_timings() = timings;
-  for (v1::ImageResult& image : images) *chunk.add_images() = std::move(image);
-  chunk.set_request_id(request_id);
-  *chunk.mutable_language() = route;
-  if (!sink->OnFinal(chunk)) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+  v1::Usage usage = first.usage();
+  for (size_t i = 1; i < lasts.size(); ++i) {
+    usage.set_completion_tokens(usage.completion_tokens() + lasts[i].usage().completion_tokens());
+  }
+  usage.set_total_tokens(usage.prompt_tokens() + usage.completion_tokens());
+  record->first_token_ms = timings.first_token_ms();
+  record->prompt_tokens = usage.prompt_tokens();
+  record->completion_tokens = usage.completion_tokens();
+  metrics.tokens.Add({{"kind", "prompt"}}).Increment(usage.prompt_tokens());
+  metrics.tokens.Add({{"kind", "image"}}).Increment(usage.image_tokens());
+  metrics.tokens.Add({{"kind", "completion"}}).Increment(usage.completion_tokens());
+
+  for (size_t i = 0; i < lasts.size(); ++i) {
+    v1::GenerateResponse& last = lasts[i];
+    v1::ChatChunk chunk;
+    chunk.set_index(static_cast<int32_t>(i));
+    chunk.set_text(last.text());
+    chunk.mutable_logprobs()->Swap(last.mutable_logprobs());
+    chunk.set_finish_reason(last.finish_reason());
+    chunk.set_request_id(request_id);
+    if (i + 1 == lasts.size()) {
+      *chunk.mutable_usage() = usage;
+      if (lasts.size() > 1) {
+        for (const v1::GenerateResponse& l : lasts) *chunk.add_choice_usage() = l.usage();
+      }
+      *chunk.mutable_timings() = timings;
+      for (v1::ImageResult& image : images) *chunk.add_images() = std::move(image);
+      *chunk.mutable_language() = route;
+    }
+    if (!sink->OnFinal(chunk)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client cancelled the request");
+    }
   }
   return grpc::Status::OK;
 }
@@ -559,15 +769,29 @@ grpc::Status ChatPipeline::Handle(const ChatCall& call, const v1::ChatRequest& r
   std::vector<std::string> image_keys;
   for (const ImageJob& job : jobs) image_keys.push_back(job.key);
   const std::string route_key = ConversationRouteKey(request, image_keys);
-  v1::GenerateResponse last;
+  ToolCallSink tool_sink(sink, request_id);
+  if (request.tools_size() > 0 && request.tool_choice().mode() != v1::TOOL_CHOICE_NONE) {
+    sink = &tool_sink;
+  }
+  std::vector<v1::GenerateResponse> lasts;
   double first_token_ms = -1;
-  if (grpc::Status s = Relay(call, deadline, start, BuildGenerateRequest(request, jobs, request_id),
-                             request_id, route_key, sink, &last, &first_token_ms,
-                             &record->language);
-      !s.ok()) {
+  const int n = std::max(1, request.n());
+  if (n == 1) {
+    lasts.emplace_back();
+    if (grpc::Status s = Relay(call, deadline, start,
+                               BuildGenerateRequest(request, jobs, request_id), request_id,
+                               route_key, sink, &lasts[0], &first_token_ms, &record->language);
+        !s.ok()) {
+      return s;
+    }
+  } else if (grpc::Status s = RelayChoices(call, deadline, start, n,
+                                           BuildGenerateRequest(request, jobs, request_id),
+                                           request_id, route_key, sink, &lasts, &first_token_ms,
+                                           &record->language);
+             !s.ok()) {
     return s;
   }
-  return Finish(last, start, admitted, vision_ms, first_token_ms, images, record->language,
+  return Finish(lasts, start, admitted, vision_ms, first_token_ms, images, record->language,
                 request_id, sink, record);
 }
 

@@ -51,6 +51,9 @@ struct GatewayOptions {
   // params.max_tokens when the client leaves it unset (0: leave it to the
   // language service, which then generates up to the context length).
   int default_max_tokens = 0;
+  // The most choices one request may ask for (ChatRequest.n); more is
+  // INVALID_ARGUMENT.
+  int max_n = 8;
 };
 
 // Where a request's output goes. Called on the thread that runs the pipeline,
@@ -64,6 +67,12 @@ class ChatSink {
   virtual bool OnDelta(v1::ChatChunk& chunk) = 0;
   // The last chunk, only after the generation ended well: its own text delta,
   // finish_reason, usage, timings and per-image results.
+  //
+  // With n > 1 choices (ChatRequest.n) every chunk carries its choice's
+  // index; deltas of different choices interleave. Once all choices ended,
+  // OnFinal is called for each choice in index order, with its finish_reason
+  // (and text/logprobs left); only the last of these (index n-1) carries the
+  // request's usage, timings, per-image results and choice_usage.
   virtual bool OnFinal(v1::ChatChunk& chunk) = 0;
 };
 
@@ -127,6 +136,10 @@ struct ChatCall {
   Cancellation* cancellation = nullptr;  // may be null; not owned
 };
 
+// The cache level's name as the metrics label and the HTTP API's x_vlm show it
+// ("miss", "memory", "pixels", "disk"; "unspecified").
+const char* CacheLevelName(v1::CacheLevel level);
+
 class ChatPipeline {
  public:
   static constexpr char kServiceName[] = "vlm.v1.VisionLanguage";
@@ -165,7 +178,15 @@ class ChatPipeline {
                      v1::GenerateRequest generate, const std::string& request_id,
                      const std::string& route_key, ChatSink* sink, v1::GenerateResponse* last,
                      double* first_token_ms, v1::LanguageRoute* route) const;
-  grpc::Status Finish(v1::GenerateResponse& last, absl::Time start, absl::Time admitted,
+  // n > 1: runs the n choices' relays in parallel (choice 0 first, the others
+  // once its prompt is in the prefix cache); `lasts` gets each one's final
+  // response.
+  grpc::Status RelayChoices(const ChatCall& call, absl::Time deadline, absl::Time start, int n,
+                            v1::GenerateRequest generate, const std::string& request_id,
+                            const std::string& route_key, ChatSink* sink,
+                            std::vector<v1::GenerateResponse>* lasts, double* first_token_ms,
+                            v1::LanguageRoute* route) const;
+  grpc::Status Finish(std::vector<v1::GenerateResponse>& lasts, absl::Time start, absl::Time admitted,
                       double vision_ms, double first_token_ms, std::vector<v1::ImageResult>& images,
                       const v1::LanguageRoute& route, const std::string& request_id,
                       ChatSink* sink, Record* record) const;

@@ -122,25 +122,25 @@ class SseSink final : public ChatSink {
  public:
   SseSink(SseStream* stream, const ChunkFormatter* format) : stream_(stream), format_(format) {}
   bool OnDelta(v1::ChatChunk& chunk) override {
-    Start();
+    Start(chunk.index());
     stream_->Push(SseEvent(format_->DeltaChunk(chunk)));
     return !stream_->cancellation.cancelled();
   }
   bool OnFinal(v1::ChatChunk& chunk) override {
-    Start();
+    Start(chunk.index());
     for (std::string& c : format_->FinalChunks(chunk)) stream_->Push(SseEvent(c));
     return !stream_->cancellation.cancelled();
   }
 
  private:
-  void Start() {
-    if (started_) return;
-    started_ = true;
-    stream_->Push(SseEvent(format_->RoleChunk()));
+  // Each choice (n > 1) opens with its role chunk.
+  void Start(int index) {
+    if (!started_.insert(index).second) return;
+    stream_->Push(SseEvent(format_->RoleChunk(index)));
   }
   SseStream* stream_;
   const ChunkFormatter* format_;
-  bool started_ = false;
+  std::set<int> started_;
 };
 
 // --- keep-alive connections and the worker pool ------------------------------

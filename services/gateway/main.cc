@@ -92,6 +92,7 @@ ABSL_FLAG(int, max_tokens_limit, 8192, "largest params.max_tokens accepted");
 ABSL_FLAG(int, default_max_tokens, 1024,
           "params.max_tokens when the client leaves it unset (0: up to the context length)");
 ABSL_FLAG(int, max_stop_strings, 16, "stop strings per request");
+ABSL_FLAG(int, max_n, 8, "most choices (OpenAI n) one request may ask for");
 ABSL_FLAG(double, default_deadline_s, 300,
           "deadline of a request whose client sets none (0: no deadline)");
 ABSL_FLAG(int, spatial_merge_size, 2,
@@ -231,13 +232,14 @@ absl::StatusOr<GatewayOptions> GatewayOptionsFromFlags() {
   options.limits.image_cost = vlm::gateway::ImageCostModelFromFlags();
   options.spatial_merge_size = absl::GetFlag(FLAGS_spatial_merge_size);
   options.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
+  options.max_n = absl::GetFlag(FLAGS_max_n);
   const double default_deadline_s = absl::GetFlag(FLAGS_default_deadline_s);
   options.default_deadline =
       default_deadline_s > 0 ? absl::Seconds(default_deadline_s) : absl::InfiniteDuration();
-  if (options.spatial_merge_size < 1 || options.default_max_tokens < 0 ||
+  if (options.spatial_merge_size < 1 || options.default_max_tokens < 0 || options.max_n < 1 ||
       options.default_max_tokens > options.limits.max_tokens_limit) {
     return absl::InvalidArgumentError(
-        "need spatial_merge_size >= 1 and 0 <= default_max_tokens <= max_tokens_limit");
+        "need spatial_merge_size >= 1, max_n >= 1 and 0 <= default_max_tokens <= max_tokens_limit");
   }
   return options;
 }

@@ -11,7 +11,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "services/gateway/chat_pipeline.h"
 #include "services/gateway/http_status.h"
+#include "services/gateway/tool_calls.h"
 
 namespace vlm::gateway {
 namespace {
@@ -359,6 +361,7 @@ ApiError ApiErrorFromStatus(const grpc::Status& status, const v1::ChatRequest* r
         break;
       }
     }
+    if (e.param.empty() && absl::StartsWith(e.message, "n is ")) e.param = "n";
     if (e.param.empty()) {
       if (absl::StartsWith(e.message, "messages[") || absl::StartsWith(e.message, "tools")) {
         e.param = e.message.substr(0, e.message.find_first_of(" :"));
@@ -673,7 +676,9 @@ std::optional<ApiError> ParseChatCompletionRequest(std::string_view body_text,
 
   std::optional<int64_t> n;
   if (auto e = GetInt(body, "n", &n)) return e;
-  if (n && *n != 1) return Invalid("n", absl::StrCat("n is ", *n, "; only n=1 is supported"));
+  if (n && *n < 1) return Invalid("n", absl::StrCat("n is ", *n, "; it must be at least 1"));
+  // The upper bound is the gateway's --max_n (ChatPipeline); beyond int32 is out anyway.
+  if (n) out->request.set_n(static_cast<int32_t>(std::min<int64_t>(*n, 1 << 30)));
   if (const json* v = Field(body, "functions"); v != nullptr && !(v->is_array() && v->empty())) {
     return Invalid("functions", "functions (the legacy functions API) are not supported; use tools");
   }
@@ -738,16 +743,6 @@ json Bytes(const std::string& text) {
   return bytes;
 }
 
-const char* CacheName(v1::CacheLevel level) {
-  switch (level) {
-    case v1::CACHE_LEVEL_MISS: return "miss";
-    case v1::CACHE_LEVEL_MEMORY: return "memory";
-    case v1::CACHE_LEVEL_PIXELS: return "pixels";
-    case v1::CACHE_LEVEL_DISK: return "disk";
-    default: return "unspecified";
-  }
-}
-
 // The gateway's own extras (x_vlm): what the page shows under an answer.
 json Extras(const std::string& request_id, const v1::Usage& usage, const v1::ChatTimings& t,
             const google::protobuf::RepeatedPtrField<v1::ImageResult>& images,
@@ -755,7 +750,7 @@ json Extras(const std::string& request_id, const v1::Usage& usage, const v1::Cha
   json list = json::array();
   for (const v1::ImageResult& image : images) {
     list.push_back({{"content_hash", image.content_hash()},
-                    {"cache", CacheName(image.cache())},
+                    {"cache", CacheLevelName(image.cache())},
                     {"cache_hit", image.cache() != v1::CACHE_LEVEL_MISS &&
                                       image.cache() != v1::CACHE_LEVEL_UNSPECIFIED},
                     {"grid", {image.grid().t(), image.grid().h(), image.grid().w()}},
@@ -817,104 +812,62 @@ json ChunkFormatter::ChunkBase() const {
   return chunk;
 }
 
-std::string ChunkFormatter::RoleChunk() const {
+std::string ChunkFormatter::RoleChunk(int index) const {
   json chunk = ChunkBase();
-  chunk["choices"].push_back({{"index", 0},
+  chunk["choices"].push_back({{"index", index},
                               {"delta", {{"role", "assistant"}, {"content", ""}}},
                               {"logprobs", nullptr},
                               {"finish_reason", nullptr}});
   return DumpJson(chunk);
 }
 
-json ChunkFormatter::DeltaJson(const json& delta,
+json ChunkFormatter::DeltaJson(int index, const json& delta,
                                const google::protobuf::RepeatedPtrField<v1::TokenLogprob>* logprobs,
                                const char* finish_reason) const {
   json chunk = ChunkBase();
   chunk["choices"].push_back(
-      {{"index", 0},
+      {{"index", index},
        {"delta", delta},
        {"logprobs", logprobs_ && logprobs != nullptr ? LogprobsJson(*logprobs) : json()},
        {"finish_reason", finish_reason == nullptr ? json() : json(finish_reason)}});
   return chunk;
 }
 
-std::string ChunkFormatter::ReleaseContent(const std::string& text) const {
+std::string ChunkFormatter::ReleaseContent(int index, const std::string& text) const {
   static const std::string kOpen("<tool_call>");
-  streamed_ += text;
-  if (streamed_.find(kOpen) != std::string::npos) {
+  std::string& streamed = streams_[index].text;
+  size_t& released = streams_[index].released;
+  streamed += text;
+  if (streamed.find(kOpen) != std::string::npos) {
     // A block started: content ends before it (whitespace before it held).
-    size_t end = streamed_.find(kOpen);
-    while (end > released_ && absl::ascii_isspace(static_cast<unsigned char>(streamed_[end - 1]))) {
+    size_t end = streamed.find(kOpen);
+    while (end > released && absl::ascii_isspace(static_cast<unsigned char>(streamed[end - 1]))) {
       --end;
     }
-    std::string out = end > released_ ? streamed_.substr(released_, end - released_) : "";
-    released_ = std::max(released_, end);
+    std::string out = end > released ? streamed.substr(released, end - released) : "";
+    released = std::max(released, end);
     return out;
   }
   // Hold trailing whitespace and any tail that may grow into "<tool_call>".
-  size_t end = streamed_.size();
-  for (size_t k = std::min(kOpen.size() - 1, streamed_.size()); k > 0; --k) {
-    if (absl::EndsWith(streamed_, absl::string_view(kOpen).substr(0, k))) {
-      end = streamed_.size() - k;
+  size_t end = streamed.size();
+  for (size_t k = std::min(kOpen.size() - 1, streamed.size()); k > 0; --k) {
+    if (absl::EndsWith(streamed, absl::string_view(kOpen).substr(0, k))) {
+      end = streamed.size() - k;
       break;
     }
   }
-  while (end > released_ && absl::ascii_isspace(static_cast<unsigned char>(streamed_[end - 1]))) {
+  while (end > released && absl::ascii_isspace(static_cast<unsigned char>(streamed[end - 1]))) {
     --end;
   }
-  std::string out = end > released_ ? streamed_.substr(released_, end - released_) : "";
-  released_ = std::max(released_, end);
+  std::string out = end > released ? streamed.substr(released, end - released) : "";
+  released = std::max(released, end);
   return out;
 }
 
 std::string ChunkFormatter::DeltaChunk(const v1::ChatChunk& delta) const {
-  const std::string content = tool_calls_ ? ReleaseContent(delta.text()) : delta.text();
-  return DumpJson(DeltaJson({{"content", content}}, &delta.logprobs(), nullptr));
-}
-
-ParsedToolCalls ParseToolCallText(const std::string& text, const std::string& id_prefix) {
-  static const std::string kOpen("<tool_call>");
-  static const std::string kClose("</tool_call>");
-  ParsedToolCalls out;
-  const size_t first = text.find(kOpen);
-  if (first == std::string::npos) {
-    out.content = text;
-    return out;
-  }
-  size_t pos = first;
-  while (pos != std::string::npos) {
-    const size_t body = pos + kOpen.size();
-    const size_t close = text.find(kClose, body);
-    const std::string inner = text.substr(body, close == std::string::npos ? std::string::npos
-                                                                           : close - body);
-    const json call = json::parse(inner, nullptr, /*allow_exceptions=*/false);
-    const json* name = call.is_object() ? Field(call, "name") : nullptr;
-    const json* arguments = call.is_object() ? Field(call, "arguments") : nullptr;
-    if (name == nullptr || !name->is_string() || arguments == nullptr ||
-        !(arguments->is_object() || arguments->is_string())) {
-      out.calls.clear();
-      out.content = text;
-      return out;
-    }
-    v1::ToolCall c;
-    c.set_id(absl::StrCat(id_prefix, out.calls.size()));
-    c.set_name(name->get<std::string>());
-    c.set_arguments(arguments->is_string() ? arguments->get<std::string>() : DumpJson(*arguments));
-    out.calls.push_back(std::move(c));
-    if (close == std::string::npos) break;
-    // Only whitespace may separate blocks; anything else is not a call list.
-    size_t next = close + kClose.size();
-    while (next < text.size() && absl::ascii_isspace(static_cast<unsigned char>(text[next]))) ++next;
-    if (next == text.size()) break;
-    if (text.compare(next, kOpen.size(), kOpen) != 0) {
-      out.calls.clear();
-      out.content = text;
-      return out;
-    }
-    pos = next;
-  }
-  out.content = std::string(absl::StripTrailingAsciiWhitespace(text.substr(0, first)));
-  return out;
+  const std::string content =
+      tool_calls_ ? ReleaseContent(delta.index(), delta.text()) : delta.text();
+  return DumpJson(DeltaJson(delta.index(), {{"content", content}}, &delta.logprobs(), nullptr));
 }
 
 namespace {
@@ -934,28 +887,32 @@ json ToolCallsJson(const std::vector<v1::ToolCall>& calls) {
 std::vector<std::string> ChunkFormatter::FinalChunks(const v1::ChatChunk& last) const {
   std::vector<std::string> out;
   const char* finish = FinishReasonName(last.finish_reason());
+  const int index = last.index();
   if (!tool_calls_) {
     if (!last.text().empty() || last.logprobs_size() > 0) out.push_back(DeltaChunk(last));
   } else {
-    streamed_ += last.text();
-    const ParsedToolCalls parsed = ParseToolCallText(streamed_, CallIdPrefix());
+    std::string& streamed = streams_[index].text;
+    size_t& released = streams_[index].released;
+    streamed += last.text();
+    const ParsedToolCalls parsed = ParseToolCallText(streamed, CallIdPrefix(index));
     // Content not yet sent: the held tail, or everything held when the blocks
     // turned out not to be calls.
-    const std::string& content = parsed.calls.empty() ? streamed_ : parsed.content;
-    if (content.size() > released_ || last.logprobs_size() > 0) {
-      const std::string rest = content.size() > released_ ? content.substr(released_) : "";
-      out.push_back(DumpJson(DeltaJson({{"content", rest}}, &last.logprobs(), nullptr)));
+    const std::string& content = parsed.calls.empty() ? streamed : parsed.content;
+    if (content.size() > released || last.logprobs_size() > 0) {
+      const std::string rest = content.size() > released ? content.substr(released) : "";
+      out.push_back(DumpJson(DeltaJson(index, {{"content", rest}}, &last.logprobs(), nullptr)));
     }
-    released_ = streamed_.size();
+    released = streamed.size();
     for (size_t i = 0; i < parsed.calls.size(); ++i) {
       const v1::ToolCall& c = parsed.calls[i];
       out.push_back(DumpJson(DeltaJson(
-          {{"tool_calls", json::array({{{"index", i},
+          index, {{"tool_calls", json::array({{{"index", i},
                                         {"id", c.id()},
                                         {"type", "function"},
                                         {"function", {{"name", c.name()}, {"arguments", ""}}}}})}},
           nullptr, nullptr)));
       out.push_back(DumpJson(DeltaJson(
+          index,
           {{"tool_calls",
             json::array({{{"index", i}, {"function", {{"arguments", c.arguments()}}}}})}},
           nullptr, nullptr)));
@@ -965,12 +922,22 @@ std::vector<std::string> ChunkFormatter::FinalChunks(const v1::ChatChunk& last) 
     }
   }
   json finish_chunk = ChunkBase();
-  finish_chunk["choices"].push_back({{"index", 0},
+  finish_chunk["choices"].push_back({{"index", index},
                                {"delta", json::object()},
                                {"logprobs", nullptr},
                                {"finish_reason", finish}});
+  // Only the request's last final chunk has usage (the others end one choice).
+  if (!last.has_usage()) {
+    out.push_back(DumpJson(finish_chunk));
+    return out;
+  }
   finish_chunk["x_vlm"] =
       Extras(last.request_id(), last.usage(), last.timings(), last.images(), last.language());
+  if (last.choice_usage_size() > 0) {
+    json list = json::array();
+    for (const v1::Usage& u : last.choice_usage()) list.push_back(UsageJson(u));
+    finish_chunk["x_vlm"]["choice_usage"] = std::move(list);
+  }
   out.push_back(DumpJson(finish_chunk));
   if (include_usage_) {
     json usage = ChunkBase();
@@ -980,35 +947,51 @@ std::vector<std::string> ChunkFormatter::FinalChunks(const v1::ChatChunk& last) 
   return out;
 }
 
-std::string ChunkFormatter::CallIdPrefix() const {
+std::string ChunkFormatter::CallIdPrefix(int index) const {
   std::string id = id_;
   if (absl::StartsWith(id, "chatcmpl-")) id = id.substr(9);
-  return absl::StrCat("call_", id, "_");
+  return ToolCallIdPrefix(id, index);
 }
 
-std::string ChunkFormatter::Completion(const v1::ChatResponse& r) const {
-  json message = {{"role", "assistant"}, {"content", r.text()}, {"refusal", nullptr}};
-  std::string finish = FinishReasonName(r.finish_reason());
+json ChunkFormatter::ChoiceJson(int index, const std::string& text, v1::FinishReason reason,
+                               const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs)
+    const {
+  json message = {{"role", "assistant"}, {"content", text}, {"refusal", nullptr}};
+  std::string finish = FinishReasonName(reason);
   if (tool_calls_) {
-    ParsedToolCalls parsed = ParseToolCallText(r.text(), CallIdPrefix());
+    ParsedToolCalls parsed = ParseToolCallText(text, CallIdPrefix(index));
     if (!parsed.calls.empty()) {
       message["content"] = parsed.content.empty() ? json() : json(parsed.content);
       message["tool_calls"] = ToolCallsJson(parsed.calls);
-      if (r.finish_reason() == v1::FINISH_REASON_STOP) finish = "tool_calls";
+      if (reason == v1::FINISH_REASON_STOP) finish = "tool_calls";
     }
   }
-  json completion = {
-      {"id", id_},
-      {"object", "chat.completion"},
-      {"created", created_},
-      {"model", model_},
-      {"choices",
-       json::array({{{"index", 0},
-                     {"message", std::move(message)},
-                     {"logprobs", logprobs_ ? LogprobsJson(r.logprobs()) : json()},
-                     {"finish_reason", finish}}})},
-      {"usage", UsageJson(r.usage())},
-      {"x_vlm", Extras(r.request_id(), r.usage(), r.timings(), r.images(), r.language())}};
+  return {{"index", index},
+          {"message", std::move(message)},
+          {"logprobs", logprobs_ ? LogprobsJson(logprobs) : json()},
+          {"finish_reason", finish}};
+}
+
+std::string ChunkFormatter::Completion(const v1::ChatResponse& r) const {
+  json choices = json::array();
+  json extras = Extras(r.request_id(), r.usage(), r.timings(), r.images(), r.language());
+  if (r.choices_size() == 0) {
+    choices.push_back(ChoiceJson(0, r.text(), r.finish_reason(), r.logprobs()));
+  } else {
+    json usage = json::array();
+    for (const v1::ChatChoice& c : r.choices()) {
+      choices.push_back(ChoiceJson(c.index(), c.text(), c.finish_reason(), c.logprobs()));
+      usage.push_back(UsageJson(c.usage()));
+    }
+    extras["choice_usage"] = std::move(usage);
+  }
+  json completion = {{"id", id_},
+                     {"object", "chat.completion"},
+                     {"created", created_},
+                     {"model", model_},
+                     {"choices", std::move(choices)},
+                     {"usage", UsageJson(r.usage())},
+                     {"x_vlm", std::move(extras)}};
   return DumpJson(completion);
 }
 

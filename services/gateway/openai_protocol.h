@@ -14,12 +14,14 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "nlohmann/json.hpp"
+#include "services/gateway/tool_calls.h"
 #include "vlm/v1/gateway.pb.h"
 
 namespace vlm::gateway {
@@ -73,6 +75,7 @@ struct OpenAiChatRequest {
   // <tool_call> blocks become message.tool_calls (ChunkFormatter).
   bool tool_calls = false;
   std::vector<RemoteImage> remote_images;
+  // `n` goes to request.n (0 when absent); its upper bound is the pipeline's.
 };
 
 // Parses a POST /v1/chat/completions body. Fields whose value is null count
@@ -109,11 +112,14 @@ class ChunkFormatter {
   void set_tool_calls(bool on) { tool_calls_ = on; }
 
   // chat.completion.chunk objects (JSON text, without SSE framing), in order:
-  std::string RoleChunk() const;                          // delta {role, content ""}
+  // Each chunk names its choice (ChatChunk.index; n > 1); a choice starts
+  // with its role chunk.
+  std::string RoleChunk(int index = 0) const;                // delta {role, content ""}
   std::string DeltaChunk(const v1::ChatChunk& delta) const;  // delta {content} (+ logprobs)
-  // For the last ChatChunk: its own text delta (if any), the chunk with
-  // finish_reason (and x_vlm), then the usage chunk (choices []) when
-  // include_usage.
+  // For a choice's final ChatChunk: its own text delta (if any), the chunk
+  // with finish_reason; for the request's last one (the one with usage) also
+  // x_vlm (with n > 1, each choice's usage as x_vlm.choice_usage) and then
+  // the usage chunk (choices []) when include_usage.
   std::vector<std::string> FinalChunks(const v1::ChatChunk& last) const;
 
   // The chat.completion object of a non-streaming request.
@@ -121,12 +127,15 @@ class ChunkFormatter {
 
  private:
   nlohmann::json ChunkBase() const;
-  nlohmann::json DeltaJson(const nlohmann::json& delta,
+  nlohmann::json DeltaJson(int index, const nlohmann::json& delta,
                            const google::protobuf::RepeatedPtrField<v1::TokenLogprob>* logprobs,
                            const char* finish_reason) const;
+  nlohmann::json ChoiceJson(int index, const std::string& text, v1::FinishReason reason,
+                            const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& logprobs)
+      const;
   // Text released as content so far from `text` (streaming, tool-call mode).
-  std::string ReleaseContent(const std::string& text) const;
-  std::string CallIdPrefix() const;  // "call_<completion id>_"
+  std::string ReleaseContent(int index, const std::string& text) const;
+  std::string CallIdPrefix(int index) const;  // "call_<completion id>_" (choice 0)
 
   const std::string id_;
   const int64_t created_;
@@ -134,18 +143,14 @@ class ChunkFormatter {
   const bool logprobs_;
   const bool include_usage_;
   bool tool_calls_ = false;
-  // Streaming in tool-call mode (one thread uses a formatter): all text so
-  // far and how much of it went out as content.
-  mutable std::string streamed_;
-  mutable size_t released_ = 0;
+  // Streaming in tool-call mode (one thread uses a formatter): each choice's
+  // text so far and how much of it went out as content.
+  struct Stream {
+    std::string text;
+    size_t released = 0;
+  };
+  mutable std::map<int, Stream> streams_;
 };
-
-// A completion's text split into content and tool calls (tool-call mode).
-struct ParsedToolCalls {
-  std::string content;             // text before the first block (trailing whitespace dropped)
-  std::vector<v1::ToolCall> calls;  // empty: no (valid) block, all text is content
-};
-ParsedToolCalls ParseToolCallText(const std::string& text, const std::string& id_prefix);
 
 // Pieces shared with the non-streaming path; exposed for tests.
 nlohmann::json UsageJson(const v1::Usage& usage);

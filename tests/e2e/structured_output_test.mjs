@@ -131,6 +131,43 @@ for (const [name, schema] of Object.entries(SCHEMAS)) {
   });
 }
 
+test("n = 3 gives three indexed choices, each valid, plain and streamed", async () => {
+  const schema = SCHEMAS.pattern;
+  const c = await client.chat.completions.create({ ...request("pattern", schema, 7), n: 3 });
+  assert.deepEqual(c.choices.map((x) => x.index), [0, 1, 2]);
+  for (const choice of c.choices) {
+    assert.equal(choice.finish_reason, "stop", choice.message.content);
+    checkAnswer("pattern", schema, choice.message.content);
+  }
+  // Prompt counted once, completions summed (each choice's own usage in x_vlm).
+  const own = c.x_vlm.choice_usage;
+  assert.equal(own.length, 3);
+  assert.equal(c.usage.prompt_tokens, own[0].prompt_tokens);
+  assert.equal(c.usage.completion_tokens, own.reduce((sum, u) => sum + u.completion_tokens, 0));
+
+  const stream = await client.chat.completions.create({
+    ...request("pattern", schema, 7), n: 3, stream: true, stream_options: { include_usage: true },
+  });
+  const texts = ["", "", ""];
+  const finishes = [null, null, null];
+  let usage = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const choice of chunk.choices) {
+      if (choice.delta.content) texts[choice.index] += choice.delta.content;
+      if (choice.finish_reason) finishes[choice.index] = choice.finish_reason;
+    }
+  }
+  assert.deepEqual(finishes, ["stop", "stop", "stop"]);
+  // Same seed: the streamed choices are the plain ones.
+  assert.deepEqual(texts, c.choices.map((x) => x.message.content));
+  assert.equal(usage.completion_tokens, c.usage.completion_tokens);
+
+  await assert.rejects(
+    client.chat.completions.create({ ...request("pattern", schema, 7), n: 9 }),
+    (e) => e.status === 400 && e.param === "n");
+});
+
 test("json_object mode answers parse as objects", async () => {
   for (const seed of [1, 2, 3]) {
     const c = await client.chat.completions.create({

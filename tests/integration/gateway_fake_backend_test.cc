@@ -30,6 +30,7 @@
 #include "common/server.h"
 #include "common/sha256.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "nlohmann/json.hpp"
 #include "services/gateway/admission.h"
 #include "services/gateway/backend_health.h"
 #include "services/gateway/gateway_service.h"
@@ -410,6 +411,79 @@ TEST_F(GatewayFakeTest, TextChatUnaryAndStreamingAgree) {
   EXPECT_EQ(last.finish_reason(), v1::FINISH_REASON_STOP);
   EXPECT_EQ(last.usage().completion_tokens(), 4);
   EXPECT_EQ(last.request_id(), "req-1");
+}
+
+// With tools offered, the gRPC response carries the calls parsed from the
+// text, as the HTTP API's message.tool_calls; with n = 2 each choice has its
+// own (ids told apart by the choice), unary and streamed alike.
+TEST_F(GatewayFakeTest, ToolCallsAreParsedForGrpcPerChoice) {
+  Gateway g({server_a_.target()}, language_server_.target());
+  ASSERT_TRUE(g.WaitServing());
+  // The fake echoes the words: the answer is "images=0  Checking. <tool_call>...</tool_call>".
+  v1::ChatRequest request = Request(
+      R"(Checking. <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>)");
+  request.set_request_id("req-tools");
+  v1::Tool* tool = request.add_tools();
+  tool->set_name("get_weather");
+  v1::ChatResponse response;
+  ASSERT_TRUE(Chat(g, request, &response).ok());
+  ASSERT_EQ(response.tool_calls_size(), 1) << response.text();
+  EXPECT_EQ(response.tool_calls(0).id(), "call_req-tools_0");
+  EXPECT_EQ(response.tool_calls(0).name(), "get_weather");
+  EXPECT_EQ(nlohmann::json::parse(response.tool_calls(0).arguments()),
+            nlohmann::json::parse(R"({"city": "Paris"})"));
+  EXPECT_TRUE(absl::StrContains(response.text(), "<tool_call>"));  // the text stays the model's
+
+  // tool_choice NONE: no parsing.
+  v1::ChatRequest none = request;
+  none.mutable_tool_choice()->set_mode(v1::TOOL_CHOICE_NONE);
+  v1::ChatResponse plain;
+  ASSERT_TRUE(Chat(g, none, &plain).ok());
+  EXPECT_EQ(plain.tool_calls_size(), 0);
+
+  // n = 2: unary gives both choices with their calls; streamed chunks carry
+  // their choice, each choice ends with its own final chunk, usage on the last.
+  request.set_n(2);
+  v1::ChatResponse two;
+  ASSERT_TRUE(Chat(g, request, &two).ok());
+  ASSERT_EQ(two.choices_size(), 2);
+  EXPECT_EQ(two.choices(1).index(), 1);
+  EXPECT_EQ(two.choices(1).text(), response.text());
+  ASSERT_EQ(two.choices(1).tool_calls_size(), 1);
+  EXPECT_EQ(two.choices(1).tool_calls(0).id(), "call_req-tools_c1_0");
+  EXPECT_EQ(two.usage().completion_tokens(), 2 * response.usage().completion_tokens());
+  EXPECT_EQ(two.usage().prompt_tokens(), response.usage().prompt_tokens());
+
+  grpc::ClientContext ctx;
+  auto reader = g.stub().ChatStream(&ctx, request);
+  std::map<int, std::string> text;
+  std::map<int, int> finals;
+  int with_usage = 0;
+  v1::ChatChunk chunk;
+  while (reader->Read(&chunk)) {
+    text[chunk.index()] += chunk.text();
+    if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      ++finals[chunk.index()];
+      EXPECT_EQ(chunk.tool_calls_size(), 1) << chunk.index();
+    }
+    if (chunk.has_usage()) {
+      ++with_usage;
+      EXPECT_EQ(chunk.choice_usage_size(), 2);
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(text[0], response.text());
+  EXPECT_EQ(text[1], response.text());
+  EXPECT_EQ(finals[0], 1);
+  EXPECT_EQ(finals[1], 1);
+  EXPECT_EQ(with_usage, 1);
+
+  // Beyond --max_n (GatewayOptions::max_n, 8): INVALID_ARGUMENT naming n.
+  request.set_n(9);
+  v1::ChatResponse refused;
+  const grpc::Status status = Chat(g, request, &refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StartsWith(status.error_message(), "n is 9")) << status.error_message();
 }
 
 TEST_F(GatewayFakeTest, ImagesReachLanguageInOrderAndReportTheirCache) {

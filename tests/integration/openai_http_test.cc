@@ -14,9 +14,11 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -320,6 +322,120 @@ TEST_F(OpenAiHttpTest, CurlSeesSseFramingRoleDeltasFinishUsageAndDone) {
   EXPECT_EQ(text, json::parse(res->body)["choices"][0]["message"]["content"]);
 }
 
+// n > 1: n choices of one prompt, the 2nd..nth prefilled from the prefix cache,
+// usage counting the prompt once; with a seed each choice is reproducible and
+// choice 0 is the n = 1 answer; streamed chunks name their choice.
+TEST_F(OpenAiHttpTest, NChoicesShareThePromptAndStreamWithTheirIndex) {
+  const std::string prompt =
+      "Write three different short titles for a story about a lighthouse keeper who finds a "
+      "message in a bottle on a stormy winter night, and explain each one briefly.";
+  constexpr int kTokens = 12;
+  json body = ChatBody(prompt, kTokens);
+  // The whole distribution (no top_k/top_p cut) and no early EOS: the tiny
+  // checkpoint's random weights are sharply peaked, so only this lets seeds matter.
+  body["temperature"] = 2.0;
+  body["top_p"] = 1.0;
+  body["top_k"] = 0;
+  body["ignore_eos"] = true;
+  body["seed"] = 1234;
+  body["n"] = 3;
+  auto res = Post(body);
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  const json c = json::parse(res->body);
+  ASSERT_EQ(c["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(c["choices"][i]["index"], i);
+    EXPECT_EQ(c["choices"][i]["finish_reason"], "length");
+  }
+  const int prompt_tokens = c["usage"]["prompt_tokens"];
+  EXPECT_GT(prompt_tokens, 32);
+  EXPECT_EQ(c["usage"]["completion_tokens"], 3 * kTokens);  // summed over the choices
+  EXPECT_EQ(c["usage"]["total_tokens"], prompt_tokens + 3 * kTokens);
+  // The 2nd and 3rd prompt came from the prefix cache (all but the last partial block).
+  ASSERT_EQ(c["x_vlm"]["choice_usage"].size(), 3u);
+  for (int i = 1; i < 3; ++i) {
+    const json& u = c["x_vlm"]["choice_usage"][i];
+    EXPECT_EQ(u["prompt_tokens"], prompt_tokens);
+    EXPECT_EQ(u["completion_tokens"], kTokens);
+    EXPECT_GE(u["prompt_tokens_details"]["cached_tokens"].get<int>(), prompt_tokens - 32) << u;
+  }
+  // Each choice has its own seed (choice 0 the request's, choice i
+  // SplitMix64(seed + i * golden ratio)): the choices are not all alike, and
+  // each is the n = 1 answer at its seed.
+  std::set<std::string> distinct;
+  for (const json& choice : c["choices"]) distinct.insert(choice["message"]["content"].get<std::string>());
+  EXPECT_GE(distinct.size(), 2u) << res->body;
+  auto again = Post(body);
+  ASSERT_TRUE(again);
+  ASSERT_EQ(again->status, 200);
+  EXPECT_EQ(json::parse(again->body)["choices"], c["choices"]);
+  for (int i = 0; i < 3; ++i) {
+    uint64_t seed = 1234;
+    if (i > 0) {
+      uint64_t z = seed + static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      seed = z ^ (z >> 31);
+    }
+    json one = body;
+    one.erase("n");
+    one["seed"] = static_cast<int64_t>(seed);  // the same 64 bits (the API reads int64)
+    auto single = Post(one);
+    ASSERT_TRUE(single);
+    ASSERT_EQ(single->status, 200) << single->body;
+    EXPECT_EQ(json::parse(single->body)["choices"][0]["message"]["content"],
+              c["choices"][i]["message"]["content"])
+        << "choice " << i;
+  }
+
+  // Streamed: every choice opens with its role chunk, its deltas add up to the
+  // non-streamed text, it ends with its own finish chunk; one usage chunk last.
+  json stream = body;
+  stream["stream"] = true;
+  stream["stream_options"] = {{"include_usage", true}};
+  const CurlResult r = Curl(log_dir_, {"-N", "-H", "Content-Type: application/json", "-d",
+                                       stream.dump(), Url("/v1/chat/completions")});
+  ASSERT_EQ(r.exit_code, 0) << r.headers;
+  ASSERT_EQ(HttpCode(r), 200) << r.body;
+  ASSERT_TRUE(absl::EndsWith(r.body, "data: [DONE]\n\n")) << r.body;
+  std::vector<std::string> events = absl::StrSplit(r.body, "\n\n", absl::SkipEmpty());
+  std::map<int, std::string> text;
+  std::map<int, int> roles, finishes;
+  int usage_chunks = 0;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i].substr(6));
+    if (chunk["choices"].empty()) {
+      ++usage_chunks;
+      EXPECT_EQ(chunk["usage"]["completion_tokens"], 3 * kTokens);
+      EXPECT_EQ(chunk["usage"]["prompt_tokens"], prompt_tokens);
+      continue;
+    }
+    const int index = chunk["choices"][0]["index"];
+    const json& delta = chunk["choices"][0]["delta"];
+    if (delta.contains("role")) {
+      EXPECT_EQ(text[index], "") << "role chunk first";
+      ++roles[index];
+    }
+    if (delta.contains("content")) text[index] += delta["content"].get<std::string>();
+    if (chunk["choices"][0]["finish_reason"].is_string()) ++finishes[index];
+  }
+  EXPECT_EQ(usage_chunks, 1);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(roles[i], 1) << i;
+    EXPECT_EQ(finishes[i], 1) << i;
+    EXPECT_EQ(text[i], c["choices"][i]["message"]["content"]) << i;
+  }
+
+  // More than --max_n (8): a 400 naming n.
+  json too_many = body;
+  too_many["n"] = 9;
+  auto refused = Post(too_many);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 400);
+  EXPECT_EQ(json::parse(refused->body)["error"]["param"], "n") << refused->body;
+}
+
 TEST_F(OpenAiHttpTest, ImageDataUrlIsEncodedOnceThenServedFromTheCache) {
   const std::string png = testing::PatternPng(96, 64, 7);
   json body = ChatBody("", 3);
@@ -541,6 +657,51 @@ TEST_F(OpenAiHttpTest, ClientDisconnectCancelsTheGenerationAndFreesTheSlot) {
   const std::string streamed = ReadFile(out);
   EXPECT_FALSE(absl::StrContains(streamed, "[DONE]"));
   // The single language slot (--max_sequences=1) is free again.
+  auto res = Post(ChatBody("Are you free?", 2));
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200) << res->body;
+}
+
+// n > 1: a client gone cancels every choice, the running one and those
+// queued behind it on the single language slot.
+TEST_F(OpenAiHttpTest, ClientDisconnectCancelsEveryChoice) {
+  json body = ChatBody("Tell me three very long stories, one after another.", 8192);
+  body["ignore_eos"] = true;
+  body["stream"] = true;
+  body["n"] = 3;
+  const std::string out = log_dir_ + "/disconnect_n.sse";
+  std::remove(out.c_str());
+  const pid_t curl = ::fork();
+  if (curl == 0) {
+    ::execlp("curl", "curl", "-sN", "--max-time", "120", "-o", out.c_str(), "-H",
+             "Content-Type: application/json", "-d", body.dump().c_str(),
+             Url("/v1/chat/completions").c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_GT(curl, 0);
+  // Choice 0 is streaming and the other two wait for the slot (--max_sequences=1).
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return ReadFile(out).size() > 2000 &&
+               Metric(language_->metrics_port, "vlm_language_queue_depth") == 2;
+      },
+      absl::Seconds(30)))
+      << "streamed " << ReadFile(out).size() << " bytes, queue depth "
+      << Metric(language_->metrics_port, "vlm_language_queue_depth");
+  EXPECT_EQ(Metric(language_->metrics_port, "vlm_language_sequences_running"), 1);
+
+  ::kill(curl, SIGKILL);
+  int status = 0;
+  ::waitpid(curl, &status, 0);
+  EXPECT_TRUE(Eventually(
+      [&] {
+        return Metric(gateway_->metrics_port, "vlm_gateway_admission_running") == 0 &&
+               Metric(language_->metrics_port, "vlm_language_sequences_running") == 0 &&
+               Metric(language_->metrics_port, "vlm_language_queue_depth") == 0;
+      },
+      absl::Seconds(5)))
+      << "running " << Metric(language_->metrics_port, "vlm_language_sequences_running")
+      << ", queued " << Metric(language_->metrics_port, "vlm_language_queue_depth");
   auto res = Post(ChatBody("Are you free?", 2));
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 200) << res->body;

@@ -63,11 +63,12 @@ TEST(OpenAiRequestTest, EveryParameterReachesTheChatRequest) {
   body["top_logprobs"] = 5;
   body["stream"] = true;
   body["stream_options"] = {{"include_usage", true}};
-  body["n"] = 1;
+  body["n"] = 3;
   body["user"] = "someone";  // ignored
   OpenAiChatRequest out;
   ASSERT_EQ(Parse(body, &out), std::nullopt);
   const v1::ChatRequest& r = out.request;
+  EXPECT_EQ(r.n(), 3);
   ASSERT_EQ(r.messages_size(), 4);
   EXPECT_EQ(r.messages(0).role(), "system");
   EXPECT_EQ(r.messages(1).content_size(), 2);
@@ -177,7 +178,9 @@ TEST(OpenAiRequestTest, ErrorsNameTheParameter) {
       {with("max_tokens", int64_t{1} << 40), "max_tokens", grpc::StatusCode::INVALID_ARGUMENT},
       {with("stop", json::array({"a", 3})), "stop[1]", grpc::StatusCode::INVALID_ARGUMENT},
       {with("top_logprobs", 2), "top_logprobs", grpc::StatusCode::INVALID_ARGUMENT},
-      {with("n", 2), "n", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("n", 0), "n", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("n", -2), "n", grpc::StatusCode::INVALID_ARGUMENT},
+      {with("n", "2"), "n", grpc::StatusCode::INVALID_ARGUMENT},
       {with("tools", json::array({{{"type", "function"}}})), "tools[0].function",
        grpc::StatusCode::INVALID_ARGUMENT},
       {with("tools", json::array({{{"type", "x"}}})), "tools[0].type",
@@ -522,6 +525,133 @@ TEST(CancellationTest, RunsTheRegisteredCallbackOnceAndLateRegistrationsAtOnce) 
   quiet.Unregister();
   quiet.Cancel();
   EXPECT_EQ(calls, 1);
+}
+
+TEST(OpenAiRequestTest, NReachesTheRequestAndItsBoundErrorNamesN) {
+  OpenAiChatRequest out;
+  json body = Body();
+  body["n"] = 4;
+  ASSERT_EQ(Parse(body, &out), std::nullopt);
+  EXPECT_EQ(out.request.n(), 4);
+  OpenAiChatRequest absent;
+  ASSERT_EQ(Parse(Body(), &absent), std::nullopt);
+  EXPECT_EQ(absent.request.n(), 0);
+  // The pipeline's bound (--max_n) comes back as a status naming n.
+  const ApiError e = ApiErrorFromStatus(grpc::Status(
+      grpc::StatusCode::INVALID_ARGUMENT, "n is 9; it must be between 1 and 8 (--max_n)"));
+  EXPECT_EQ(e.param, "n");
+  EXPECT_EQ(HttpStatusForCode(e.code), 400);
+}
+
+TEST(OpenAiResponseTest, SeveralChoicesCarryTheirIndexAndUsageComesOnceAtTheEnd) {
+  ChunkFormatter f("chatcmpl-m", 1, "tiny", false, /*include_usage=*/true);
+  f.set_tool_calls(true);
+  EXPECT_EQ(json::parse(f.RoleChunk(2))["choices"][0]["index"], 2);
+  v1::ChatChunk delta;
+  delta.set_index(1);
+  delta.set_text("one");
+  EXPECT_EQ(json::parse(f.DeltaChunk(delta))["choices"][0]["index"], 1);
+  v1::ChatChunk other;
+  other.set_text("zero");
+  const json zero = json::parse(f.DeltaChunk(other));
+  EXPECT_EQ(zero["choices"][0]["index"], 0);
+  EXPECT_EQ(zero["choices"][0]["delta"]["content"], "zero");  // each choice's own stream
+
+  // A choice's end that is not the request's: its finish chunk only.
+  v1::ChatChunk end0;
+  end0.set_finish_reason(v1::FINISH_REASON_LENGTH);
+  const std::vector<std::string> first = f.FinalChunks(end0);
+  ASSERT_EQ(first.size(), 1u);
+  const json finish0 = json::parse(first[0]);
+  EXPECT_EQ(finish0["choices"][0]["index"], 0);
+  EXPECT_EQ(finish0["choices"][0]["finish_reason"], "length");
+  EXPECT_FALSE(finish0.contains("x_vlm"));
+  EXPECT_TRUE(finish0["usage"].is_null());
+
+  // The last choice's end carries the request's usage and each choice's own.
+  v1::ChatChunk end1;
+  end1.set_index(1);
+  end1.set_text(" <tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>");
+  end1.set_finish_reason(v1::FINISH_REASON_STOP);
+  end1.mutable_usage()->set_prompt_tokens(10);
+  end1.mutable_usage()->set_completion_tokens(7);
+  end1.add_choice_usage()->set_completion_tokens(3);
+  end1.add_choice_usage()->set_cached_prompt_tokens(10);
+  std::string call_id;
+  std::string finish1;
+  json usage;
+  for (const std::string& chunk : f.FinalChunks(end1)) {
+    const json j = json::parse(chunk);
+    if (j["choices"].empty()) {
+      usage = j["usage"];
+      continue;
+    }
+    EXPECT_EQ(j["choices"][0]["index"], 1);
+    const json& d = j["choices"][0]["delta"];
+    if (d.contains("tool_calls") && d["tool_calls"][0].contains("id")) {
+      call_id = d["tool_calls"][0]["id"];
+    }
+    if (j["choices"][0]["finish_reason"].is_string()) {
+      finish1 = j["choices"][0]["finish_reason"];
+      ASSERT_EQ(j["x_vlm"]["choice_usage"].size(), 2u);
+      EXPECT_EQ(j["x_vlm"]["choice_usage"][1]["prompt_tokens_details"]["cached_tokens"], 10);
+    }
+  }
+  EXPECT_EQ(call_id, "call_m_c1_0");  // unique across choices
+  EXPECT_EQ(finish1, "tool_calls");
+  EXPECT_EQ(usage["total_tokens"], 17);
+
+  // Non-streamed: one choice object per choice.
+  v1::ChatResponse response;
+  for (int i = 0; i < 3; ++i) {
+    v1::ChatChoice* c = response.add_choices();
+    c->set_index(i);
+    c->set_text("answer " + std::to_string(i));
+    c->set_finish_reason(i == 2 ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_LENGTH);
+    c->mutable_usage()->set_completion_tokens(i + 1);
+  }
+  response.set_text("answer 0");
+  const json c = json::parse(ChunkFormatter("chatcmpl-n", 1, "tiny", false, false).Completion(response));
+  ASSERT_EQ(c["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(c["choices"][i]["index"], i);
+    EXPECT_EQ(c["choices"][i]["message"]["content"], "answer " + std::to_string(i));
+    EXPECT_EQ(c["x_vlm"]["choice_usage"][i]["completion_tokens"], i + 1);
+  }
+  EXPECT_EQ(c["choices"][2]["finish_reason"], "stop");
+}
+
+TEST(CollectingSinkTest, InterleavedChoicesAreGatheredPerIndex) {
+  v1::ChatResponse response;
+  CollectingSink sink(&response);
+  auto chunk = [](int index, const char* text) {
+    v1::ChatChunk c;
+    c.set_index(index);
+    c.set_text(text);
+    return c;
+  };
+  for (v1::ChatChunk c : {chunk(0, "a"), chunk(1, "x"), chunk(0, "b"), chunk(1, "y")}) {
+    ASSERT_TRUE(sink.OnDelta(c));
+  }
+  v1::ChatChunk end0 = chunk(0, "c");
+  end0.set_finish_reason(v1::FINISH_REASON_LENGTH);
+  ASSERT_TRUE(sink.OnFinal(end0));
+  v1::ChatChunk end1 = chunk(1, "");
+  end1.set_finish_reason(v1::FINISH_REASON_STOP);
+  end1.mutable_usage()->set_completion_tokens(5);
+  end1.add_choice_usage()->set_completion_tokens(3);
+  end1.add_choice_usage()->set_completion_tokens(2);
+  ASSERT_TRUE(sink.OnFinal(end1));
+  ASSERT_EQ(response.choices_size(), 2);
+  EXPECT_EQ(response.choices(0).text(), "abc");
+  EXPECT_EQ(response.choices(1).text(), "xy");
+  EXPECT_EQ(response.choices(1).index(), 1);
+  EXPECT_EQ(response.choices(0).finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(response.choices(1).finish_reason(), v1::FINISH_REASON_STOP);
+  EXPECT_EQ(response.choices(1).usage().completion_tokens(), 2);
+  EXPECT_EQ(response.text(), "abc");  // choice 0 also at the top
+  EXPECT_EQ(response.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(response.usage().completion_tokens(), 5);
 }
 
 }  // namespace

@@ -157,6 +157,7 @@ class GrammarCompilation {
   std::chrono::steady_clock::time_point deadline_;
   int32_t rule_end_ = -1;  // NFA end state of the rule being determinized
   std::vector<uint8_t> seen_;
+  std::vector<int32_t> closure_work_, closure_all_;
   std::vector<std::vector<int32_t>> per_byte_ = std::vector<std::vector<int32_t>>(256);
 };
 
@@ -243,8 +244,18 @@ absl::StatusOr<GrammarCompilation::Frag> GrammarCompilation::BuildNfa(GrammarBui
 
 void GrammarCompilation::Closure(std::vector<int32_t>* set) {
   seen_.resize(nfa_.size(), 0);
-  std::vector<int32_t> work = *set, all = *set;
-  for (int32_t s : *set) seen_[s] = 1;
+  // Scratch vectors kept across calls: Determinize closes a set per target.
+  std::vector<int32_t>& work = closure_work_;
+  std::vector<int32_t>& all = closure_all_;
+  work.clear();
+  all.clear();
+  for (int32_t s : *set) {
+    if (!seen_[s]) {
+      seen_[s] = 1;
+      all.push_back(s);
+      work.push_back(s);
+    }
+  }
   while (!work.empty()) {
     int32_t s = work.back();
     work.pop_back();
@@ -268,7 +279,8 @@ void GrammarCompilation::Closure(std::vector<int32_t>* set) {
 absl::Status GrammarCompilation::Determinize(int rule, int32_t nfa_start, int32_t nfa_end) {
   rule_end_ = nfa_end;
   std::vector<DState>& out = dfa_[rule];
-  std::map<std::vector<int32_t>, int32_t> ids;
+  // Hashed: a schema's rules intern thousands of sets (ids in insertion order).
+  absl::flat_hash_map<std::vector<int32_t>, int32_t> ids;
   std::vector<std::vector<int32_t>> sets;
   auto intern = [&](std::vector<int32_t> set) -> absl::StatusOr<int32_t> {
     Closure(&set);
@@ -307,7 +319,7 @@ absl::Status GrammarCompilation::Determinize(int rule, int32_t nfa_start, int32_
         for (size_t b = set._Find_first(); b < 256; b = set._Find_next(b)) per_byte_[b].push_back(t);
       }
     }
-    std::map<std::vector<int32_t>, int32_t> local;
+    absl::flat_hash_map<std::vector<int32_t>, int32_t> local;
     int32_t prev_target = -1;
     for (int b = 0; b < 256; ++b) {
       std::vector<int32_t>& targets = per_byte_[b];
@@ -544,20 +556,34 @@ void GrammarCompilation::BuildTables(Grammar* g) const {
   const int num_rules = static_cast<int>(dfa_.size());
   const int32_t n = base_[num_rules];
   {
-    std::vector<int32_t> cls(256, 0);
+    // Refines the byte classes by each state's transitions: bytes stay in
+    // one class while every state sends them to the same target. New class
+    // ids in order of first appearance over the bytes. Per old class, the
+    // (target, new class) pairs seen so far: few per class, a linear search.
+    std::vector<int32_t> cls(256, 0), next_cls(256);
+    std::vector<std::vector<std::pair<int32_t, int32_t>>> seen(256);
     int num = 1;
     for (int r = 0; r < num_rules && num < 256; ++r) {
       for (const DState& d : dfa_[r]) {
-        absl::flat_hash_map<uint64_t, int32_t> remap;
-        std::vector<int32_t> next_cls(256);
+        int32_t count = 0;
         for (int b = 0; b < 256; ++b) {
-          const uint64_t key = (static_cast<uint64_t>(cls[b]) << 32) | static_cast<uint32_t>(d.next[b] + 1);
-          auto it = remap.find(key);
-          if (it == remap.end()) it = remap.emplace(key, static_cast<int32_t>(remap.size())).first;
-          next_cls[b] = it->second;
+          std::vector<std::pair<int32_t, int32_t>>& pairs = seen[cls[b]];
+          int32_t id = -1;
+          for (const auto& [target, c] : pairs) {
+            if (target == d.next[b]) {
+              id = c;
+              break;
+            }
+          }
+          if (id < 0) {
+            id = count++;
+            pairs.emplace_back(d.next[b], id);
+          }
+          next_cls[b] = id;
         }
-        cls = std::move(next_cls);
-        num = static_cast<int>(remap.size());
+        for (int b = 0; b < 256; ++b) seen[cls[b]].clear();
+        cls.swap(next_cls);
+        num = count;
       }
     }
     g->num_classes_ = num;
