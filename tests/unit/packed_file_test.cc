@@ -2,7 +2,7 @@
 // decoder, on the tiny checkpoint:
 //   - a first Load builds it, a second maps it and converts nothing (no layer,
 //     no LM head), and the logits are bit-identical to packing in memory
-//     (packed bf16 and int8 forms), also under --resident_layers with drops;
+//     (packed bf16, int8 and int4 forms), also under --resident_layers with drops;
 //   - every bad file is rejected with its reason counted and the decoder
 //     still loads and gives the same logits: truncated, corrupt header,
 //     corrupt section (found lazily at the layer's first use), another
@@ -85,6 +85,9 @@ class PackedFileTest : public ::testing::TestWithParam<WeightDType> {
         !kernels::GemvInt8PathSupported(kernels::DefaultGemvInt8Path(), &why)) {
       GTEST_SKIP() << why;
     }
+    if (GetParam() == WeightDType::kInt4 && !GetCpuFeatures().fast_bf16_matmul()) {
+      GTEST_SKIP() << "int4 layers need the bf16 compute dtype";
+    }
     char tmpl[] = "/tmp/vlm_packed_test_XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     root_ = tmpl;
@@ -113,6 +116,9 @@ class PackedFileTest : public ::testing::TestWithParam<WeightDType> {
     DecoderOptions o;
     o.matmul = MatmulPath::kKernels;
     o.weight_dtype = GetParam();
+    // int4 layers with the int4 LM head: the head's own sections in the file
+    // (the int8 head is covered by the int8 form).
+    o.int4_lm_head = GetParam() == WeightDType::kInt4;
     o.packed_dir = dir;
     o.layers.resident_layers = resident_layers;
     o.layers.background_materialize = background;
@@ -366,38 +372,13 @@ TEST_P(PackedFileTest, FullDiskPacksInMemoryAndLeavesNoTemporaryFile) {
   EXPECT_TRUE(at::equal(loaded.logits, reference_.logits));
 }
 
-// int4 has no packed-file layout yet: the decoder loads, converts in memory,
-// says why, and writes nothing.
-TEST(PackedFileInt4Test, FormWithoutALayoutConvertsInMemoryAndWritesNothing) {
-  if (!GetCpuFeatures().fast_bf16_matmul()) GTEST_SKIP() << "int4 needs the bf16 compute dtype";
-  char tmpl[] = "/tmp/vlm_packed_test_XXXXXX";
-  ASSERT_NE(::mkdtemp(tmpl), nullptr);
-  const std::string dir = std::string(tmpl) + "/packed";
-  auto ckpt = SafetensorsCheckpoint::Open(TinyDir());
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  auto config = LoadModelConfig(TinyDir());
-  ASSERT_TRUE(config.ok()) << config.status();
-  DecoderOptions o;
-  o.weight_dtype = WeightDType::kInt4;
-  o.packed_dir = dir;
-  auto d = Decoder::Load(std::shared_ptr<const SafetensorsCheckpoint>(*std::move(ckpt)), *config, o);
-  ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ((*d)->packed_file_outcome().state, "unavailable");
-  EXPECT_NE((*d)->packed_file_outcome().reason.find("no packed-file layout"), std::string::npos)
-      << (*d)->packed_file_outcome().reason;
-  EXPECT_FALSE(fs::exists(dir));
-  auto handle = (*d)->layers().Acquire(0);
-  EXPECT_TRUE(handle.ok()) << handle.status();
-  EXPECT_FALSE((*handle)->qkv4.empty());
-  std::error_code ec;
-  fs::remove_all(tmpl, ec);
-}
-
 INSTANTIATE_TEST_SUITE_P(Forms, PackedFileTest,
-                         ::testing::Values(WeightDType::kBFloat16, WeightDType::kInt8),
+                         ::testing::Values(WeightDType::kBFloat16, WeightDType::kInt8,
+                                           WeightDType::kInt4),
                          [](const auto& info) {
-                           return std::string(info.param == WeightDType::kInt8 ? "Int8"
-                                                                                : "PackedBf16");
+                           return std::string(info.param == WeightDType::kInt8   ? "Int8"
+                                              : info.param == WeightDType::kInt4 ? "Int4"
+                                                                                 : "PackedBf16");
                          });
 
 }  // namespace
