@@ -200,16 +200,22 @@ TEST_P(PackedFileTest, BuiltOnFirstLoadMappedOnSecondWithIdenticalLogits) {
   EXPECT_EQ(first.decoder->packed_file_outcome().state, "built");
   const std::string path = FilePath();
   ASSERT_FALSE(path.empty());
-  // Only the final file: the temporary one was renamed.
+  // Only the final file (the temporary one was renamed) and, every section
+  // having been checked by this first process, its verified-once marker.
   int entries = 0;
   for (const auto& e : fs::directory_iterator(dir_)) (void)e, ++entries;
-  EXPECT_EQ(entries, 1);
+  EXPECT_EQ(entries, 2);
+  EXPECT_TRUE(fs::exists(path + ".verified"));
+  ASSERT_NE(first.decoder->layers().packed_file(), nullptr);
+  EXPECT_FALSE(first.decoder->layers().packed_file()->trusted());
 
   Loaded second = Load(dir_, 0);
   ASSERT_NE(second.decoder, nullptr);
   EXPECT_EQ(second.decoder->packed_file_outcome().state, "mapped");
   EXPECT_EQ(second.decoder->layers().conversions(), 0);  // nothing converted
   EXPECT_EQ(second.decoder->head_conversions(), 0);
+  ASSERT_NE(second.decoder->layers().packed_file(), nullptr);
+  EXPECT_TRUE(second.decoder->layers().packed_file()->trusted());  // no hashing at this start
   EXPECT_NE(second.decoder->load_summary().find("mapped from the packed file"), std::string::npos)
       << second.decoder->load_summary();
   EXPECT_EQ(Metric("vlm_language_packed_file{state=\"mapped\"}"), 1);
@@ -240,6 +246,7 @@ TEST_P(PackedFileTest, TruncatedFileIsRebuilt) {
 TEST_P(PackedFileTest, CorruptHeaderIsRebuilt) {
   const std::string path = Build();
   ASSERT_FALSE(path.empty());
+  ASSERT_TRUE(fs::exists(path + ".verified"));  // the write below must invalidate it
   {
     std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(60);  // inside the key text, covered by the header checksum
@@ -265,7 +272,10 @@ TEST_P(PackedFileTest, CorruptSectionConvertsThatLayerAndDiscardsTheFile) {
   EXPECT_EQ(Rejected("section_checksum"), before + 1);
   EXPECT_EQ(loaded.decoder->layers().conversions(), 1);  // layer 0 only, from the checkpoint
   EXPECT_TRUE(at::equal(loaded.logits, reference_.logits));
+  ASSERT_NE(loaded.decoder->layers().packed_file(), nullptr);
+  EXPECT_FALSE(loaded.decoder->layers().packed_file()->trusted());
   EXPECT_FALSE(fs::exists(path));  // discarded: the next start rebuilds it
+  EXPECT_FALSE(fs::exists(path + ".verified"));
   Loaded next = Load(dir_, 0);
   ASSERT_NE(next.decoder, nullptr);
   EXPECT_EQ(next.decoder->packed_file_outcome().state, "built");
