@@ -56,7 +56,10 @@
 // --model_dir defaults to the 2B-shaped checkpoint scripts/make_checkpoint.sh 2b
 // writes: $VLM_CACHE_DIR/checkpoints/2b, else ~/.cache/vlm/checkpoints/2b.
 // Each entry of --configs (separated by ';') is extra vlm-language flags
-// (comma-separated); the empty entry is the default configuration.
+// (comma-separated); the empty entry is the default configuration. The
+// servers write their packed-weight files (GBs on the 2B) to a temporary
+// directory removed at exit, unless --packed_cache_dir names one to keep (the
+// first start of each form then builds its file, later starts map it).
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <poll.h>
@@ -66,6 +69,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -128,6 +132,11 @@ ABSL_FLAG(bool, startup, false,
           "instead of the serving table");
 ABSL_FLAG(std::string, startup_configs, "bf16:;int8:--weight_dtype=int8;int4:--weight_dtype=int4",
           "';'-separated NAME:FLAGS for --startup (FLAGS ','-separated vlm-language flags)");
+ABSL_FLAG(std::string, packed_cache_dir, "",
+          "the servers' --packed_cache_dir for the serving and --structured tables (default: a "
+          "temporary directory under TMPDIR or /tmp, removed at exit, so a run leaves no "
+          "packed-weight files behind; a configuration's own --packed_cache_dir wins). "
+          "--startup always uses its own temporary directory");
 ABSL_FLAG(std::string, startup_dir, "",
           "parent of the temporary packed-weight directory for --startup (default: TMPDIR or /tmp)");
 ABSL_FLAG(std::string, cliff, "",
@@ -429,6 +438,10 @@ struct Column {
   void Add(const std::string& what, const std::string& value) { rows.emplace_back(what, value); }
 };
 
+// The servers' packed-weight directory (--packed_cache_dir, else a temporary
+// one that main removes at exit).
+std::string g_packed_dir;
+
 // Runs one configuration; `bandwidth` is raised to the best read bandwidth
 // measured while its server is up (after the decode runs). With `keep`, the
 // server is handed over there (for the paired decode rounds).
@@ -444,7 +457,8 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
       absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)),
       "--max_context=4096",
       "--log_level=warning",
-      "--prefix_cache=false"};
+      "--prefix_cache=false",
+      "--packed_cache_dir=" + g_packed_dir};
   for (absl::string_view f : absl::StrSplit(extra, ',', absl::SkipEmpty())) {
     flags.emplace_back(f);
   }
@@ -742,7 +756,7 @@ int StructuredBench(const std::string& binary, const std::string& dir) {
   std::vector<std::string> flags = {
       "--grpc_address=127.0.0.1:0", "--metrics_address=", absl::StrCat("--model_dir=", dir),
       absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)), "--max_context=4096",
-      "--log_level=warning", "--max_sequences=8"};
+      "--log_level=warning", "--max_sequences=8", "--packed_cache_dir=" + g_packed_dir};
   Server server(binary, flags);
   if (server.WaitServing(absl::Minutes(5)) < 0) {
     std::fprintf(stderr, "vlm-language did not become SERVING\n");
@@ -932,13 +946,40 @@ int main(int argc, char** argv) {
     std::string path(self);
     binary = path.substr(0, path.rfind('/')) + "/../services/language/vlm-language";
   }
+  if (absl::GetFlag(FLAGS_startup)) {
+    auto config = vlm::LoadModelConfig(dir);
+    if (!config.ok()) {
+      std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
+      return 1;
+    }
+    return StartupTable(binary, dir);
+  }
+  g_packed_dir = absl::GetFlag(FLAGS_packed_cache_dir);
+  std::string temporary_dir;
+  if (g_packed_dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
+                       "/vlm-bench-language-packed-XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      std::fprintf(stderr, "cannot create %s: %s\n", tmpl.c_str(), std::strerror(errno));
+      return 1;
+    }
+    g_packed_dir = temporary_dir = tmpl;
+  }
+  // Removes the temporary packed-weight directory on every return below.
+  struct RemoveAtExit {
+    std::string dir;
+    ~RemoveAtExit() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } remove_at_exit{temporary_dir};
   if (absl::GetFlag(FLAGS_structured)) return StructuredBench(binary, dir);
   auto config = vlm::LoadModelConfig(dir);
   if (!config.ok()) {
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
     return 1;
   }
-  if (absl::GetFlag(FLAGS_startup)) return StartupTable(binary, dir);
   const uint64_t bytes = DecodeWeightBytes(dir);
   double bandwidth = ReadBandwidth(absl::GetFlag(FLAGS_threads));
 

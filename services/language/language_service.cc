@@ -272,6 +272,10 @@ absl::StatusOr<int64_t> LanguageService::KvBlocks(int64_t block_size, uint64_t p
 
 // The checkpoint's mapping and the decoder over it (layers load lazily).
 std::string DefaultPackedCacheDir() {
+  if (const char* packed = std::getenv("VLM_PACKED_CACHE_DIR");
+      packed != nullptr && *packed != '\0') {
+    return packed;
+  }
   if (const char* cache = std::getenv("VLM_CACHE_DIR"); cache != nullptr && *cache != '\0') {
     return absl::StrCat(cache, "/packed");
   }

@@ -90,8 +90,11 @@ struct LanguageServiceOptions {
   std::string packed_cache_dir;
 };
 
-// $VLM_CACHE_DIR/packed, else $HOME/.cache/vlm/packed (the model cache
-// scripts/setup.sh and make_checkpoint.sh use), else /tmp/vlm-cache/packed.
+// $VLM_PACKED_CACHE_DIR, else $VLM_CACHE_DIR/packed, else
+// $HOME/.cache/vlm/packed (the model cache scripts/setup.sh and
+// make_checkpoint.sh use), else /tmp/vlm-cache/packed. ctest sets
+// VLM_PACKED_CACHE_DIR to a directory of the build tree for every test, so
+// tests neither read nor leave packed files in the user's cache.
 std::string DefaultPackedCacheDir();
 
 class LanguageService final : public v1::Language::Service {

@@ -56,9 +56,9 @@ ABSL_FLAG(bool, int8_prefill_gemm, true,
           "per call (faster where prefill is compute-bound); false: the int8 GEMV like decode rows");
 ABSL_FLAG(std::string, packed_cache_dir, vlm::language::DefaultPackedCacheDir(),
           "directory of packed-weight files: the converted decoder layers and LM head (packed "
-          "bf16 panels, int8) written on a checkpoint's first start and mapped read-only by later "
+          "bf16 panels, int8, int4) written on a checkpoint's first start and mapped read-only by later "
           "starts and replicas; empty = convert in memory at every start (default "
-          "$VLM_CACHE_DIR/packed, else ~/.cache/vlm/packed)");
+          "$VLM_PACKED_CACHE_DIR, else $VLM_CACHE_DIR/packed, else ~/.cache/vlm/packed)");
 ABSL_FLAG(bool, pack_only, false,
           "build the packed-weight file for --model_dir and the weight flags into "
           "--packed_cache_dir, then exit (0 when the file is there); for an init container");

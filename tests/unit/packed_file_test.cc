@@ -2,7 +2,7 @@
 // decoder, on the tiny checkpoint:
 //   - a first Load builds it, a second maps it and converts nothing (no layer,
 //     no LM head), and the logits are bit-identical to packing in memory
-//     (packed bf16 and int8 forms), also under --resident_layers with drops;
+//     (packed bf16, int8 and int4 forms), also under --resident_layers with drops;
 //   - every bad file is rejected with its reason counted and the decoder
 //     still loads and gives the same logits: truncated, corrupt header,
 //     corrupt section (found lazily at the layer's first use), another
@@ -85,6 +85,9 @@ class PackedFileTest : public ::testing::TestWithParam<WeightDType> {
         !kernels::GemvInt8PathSupported(kernels::DefaultGemvInt8Path(), &why)) {
       GTEST_SKIP() << why;
     }
+    if (GetParam() == WeightDType::kInt4 && !GetCpuFeatures().fast_bf16_matmul()) {
+      GTEST_SKIP() << "int4 layers need the bf16 compute dtype";
+    }
     char tmpl[] = "/tmp/vlm_packed_test_XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     root_ = tmpl;
@@ -113,6 +116,9 @@ class PackedFileTest : public ::testing::TestWithParam<WeightDType> {
     DecoderOptions o;
     o.matmul = MatmulPath::kKernels;
     o.weight_dtype = GetParam();
+    // int4 layers with the int4 LM head: the head's own sections in the file
+    // (the int8 head is covered by the int8 form).
+    o.int4_lm_head = GetParam() == WeightDType::kInt4;
     o.packed_dir = dir;
     o.layers.resident_layers = resident_layers;
     o.layers.background_materialize = background;
@@ -194,16 +200,22 @@ TEST_P(PackedFileTest, BuiltOnFirstLoadMappedOnSecondWithIdenticalLogits) {
   EXPECT_EQ(first.decoder->packed_file_outcome().state, "built");
   const std::string path = FilePath();
   ASSERT_FALSE(path.empty());
-  // Only the final file: the temporary one was renamed.
+  // Only the final file (the temporary one was renamed) and, every section
+  // having been checked by this first process, its verified-once marker.
   int entries = 0;
   for (const auto& e : fs::directory_iterator(dir_)) (void)e, ++entries;
-  EXPECT_EQ(entries, 1);
+  EXPECT_EQ(entries, 2);
+  EXPECT_TRUE(fs::exists(path + ".verified"));
+  ASSERT_NE(first.decoder->layers().packed_file(), nullptr);
+  EXPECT_FALSE(first.decoder->layers().packed_file()->trusted());
 
   Loaded second = Load(dir_, 0);
   ASSERT_NE(second.decoder, nullptr);
   EXPECT_EQ(second.decoder->packed_file_outcome().state, "mapped");
   EXPECT_EQ(second.decoder->layers().conversions(), 0);  // nothing converted
   EXPECT_EQ(second.decoder->head_conversions(), 0);
+  ASSERT_NE(second.decoder->layers().packed_file(), nullptr);
+  EXPECT_TRUE(second.decoder->layers().packed_file()->trusted());  // no hashing at this start
   EXPECT_NE(second.decoder->load_summary().find("mapped from the packed file"), std::string::npos)
       << second.decoder->load_summary();
   EXPECT_EQ(Metric("vlm_language_packed_file{state=\"mapped\"}"), 1);
@@ -234,6 +246,7 @@ TEST_P(PackedFileTest, TruncatedFileIsRebuilt) {
 TEST_P(PackedFileTest, CorruptHeaderIsRebuilt) {
   const std::string path = Build();
   ASSERT_FALSE(path.empty());
+  ASSERT_TRUE(fs::exists(path + ".verified"));  // the write below must invalidate it
   {
     std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(60);  // inside the key text, covered by the header checksum
@@ -259,7 +272,10 @@ TEST_P(PackedFileTest, CorruptSectionConvertsThatLayerAndDiscardsTheFile) {
   EXPECT_EQ(Rejected("section_checksum"), before + 1);
   EXPECT_EQ(loaded.decoder->layers().conversions(), 1);  // layer 0 only, from the checkpoint
   EXPECT_TRUE(at::equal(loaded.logits, reference_.logits));
+  ASSERT_NE(loaded.decoder->layers().packed_file(), nullptr);
+  EXPECT_FALSE(loaded.decoder->layers().packed_file()->trusted());
   EXPECT_FALSE(fs::exists(path));  // discarded: the next start rebuilds it
+  EXPECT_FALSE(fs::exists(path + ".verified"));
   Loaded next = Load(dir_, 0);
   ASSERT_NE(next.decoder, nullptr);
   EXPECT_EQ(next.decoder->packed_file_outcome().state, "built");
@@ -366,38 +382,13 @@ TEST_P(PackedFileTest, FullDiskPacksInMemoryAndLeavesNoTemporaryFile) {
   EXPECT_TRUE(at::equal(loaded.logits, reference_.logits));
 }
 
-// int4 has no packed-file layout yet: the decoder loads, converts in memory,
-// says why, and writes nothing.
-TEST(PackedFileInt4Test, FormWithoutALayoutConvertsInMemoryAndWritesNothing) {
-  if (!GetCpuFeatures().fast_bf16_matmul()) GTEST_SKIP() << "int4 needs the bf16 compute dtype";
-  char tmpl[] = "/tmp/vlm_packed_test_XXXXXX";
-  ASSERT_NE(::mkdtemp(tmpl), nullptr);
-  const std::string dir = std::string(tmpl) + "/packed";
-  auto ckpt = SafetensorsCheckpoint::Open(TinyDir());
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  auto config = LoadModelConfig(TinyDir());
-  ASSERT_TRUE(config.ok()) << config.status();
-  DecoderOptions o;
-  o.weight_dtype = WeightDType::kInt4;
-  o.packed_dir = dir;
-  auto d = Decoder::Load(std::shared_ptr<const SafetensorsCheckpoint>(*std::move(ckpt)), *config, o);
-  ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ((*d)->packed_file_outcome().state, "unavailable");
-  EXPECT_NE((*d)->packed_file_outcome().reason.find("no packed-file layout"), std::string::npos)
-      << (*d)->packed_file_outcome().reason;
-  EXPECT_FALSE(fs::exists(dir));
-  auto handle = (*d)->layers().Acquire(0);
-  EXPECT_TRUE(handle.ok()) << handle.status();
-  EXPECT_FALSE((*handle)->qkv4.empty());
-  std::error_code ec;
-  fs::remove_all(tmpl, ec);
-}
-
 INSTANTIATE_TEST_SUITE_P(Forms, PackedFileTest,
-                         ::testing::Values(WeightDType::kBFloat16, WeightDType::kInt8),
+                         ::testing::Values(WeightDType::kBFloat16, WeightDType::kInt8,
+                                           WeightDType::kInt4),
                          [](const auto& info) {
-                           return std::string(info.param == WeightDType::kInt8 ? "Int8"
-                                                                                : "PackedBf16");
+                           return std::string(info.param == WeightDType::kInt8   ? "Int8"
+                                              : info.param == WeightDType::kInt4 ? "Int4"
+                                                                                 : "PackedBf16");
                          });
 
 }  // namespace

@@ -391,9 +391,18 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
           absl::StatusOr<kernels::PackedWeight> head =
               PackedFromFile(*file, kPackedHeadGroup, "head", vocab, hidden, false);
           if (head.ok()) packed_head_ = *std::move(head);
+        } else if (head_form == HeadForm::kInt4) {
+          absl::StatusOr<kernels::Int4Weight> head =
+              Int4FromFile(*file, kPackedHeadGroup, "head", vocab, hidden);
+          if (head.ok()) lm_head4_ = *std::move(head);
         }
       }
-      if (!lm_head8_.empty()) {
+      if (!lm_head4_.empty()) {
+        head_bytes = lm_head4_.bytes();
+        head_note = absl::StrCat("int4 (gemv_int4/",
+                                 kernels::GemvInt4PathName(kernels::DefaultGemvInt4Path()),
+                                 ", mapped)");
+      } else if (!lm_head8_.empty()) {
         head_bytes = lm_head8_.bytes();
         head_note = absl::StrCat("int8 (gemv_int8/",
                                  kernels::GemvInt8PathName(kernels::DefaultGemvInt8Path()),
@@ -402,7 +411,6 @@ absl::Status Decoder::PrepareHead(ProjectionForm form, const std::string& embed_
         head_bytes = packed_head_.bytes();
         head_note = absl::StrCat("gemm/", kernels::GemmPathName(packed_head_.path()), " (mapped)");
       } else if (head_form == HeadForm::kInt4) {
-        // No packed-file layout for int4 yet: quantized at every start.
         ++head_conversions_;
         absl::StatusOr<kernels::Int4Weight> head = kernels::QuantizeInt4(lm_head_);
         if (!head.ok()) return head.status();
@@ -460,12 +468,19 @@ Decoder::HeadForm Decoder::ChooseHeadForm(ProjectionForm form) const {
 absl::Status Decoder::WriteHead(ProjectionForm form, PackedFileWriter& writer) const {
   std::vector<NamedBytes> sections;
   kernels::QuantizedWeight q;
+  kernels::Int4Weight q4;
   kernels::PackedWeight p;
   try {
     switch (ChooseHeadForm(form)) {
       case HeadForm::kDense:
-      case HeadForm::kInt4:  // no packed-file layout for int4 yet
         return absl::OkStatus();
+      case HeadForm::kInt4: {
+        absl::StatusOr<kernels::Int4Weight> head = kernels::QuantizeInt4(lm_head_);
+        if (!head.ok()) return head.status();
+        q4 = *std::move(head);
+        AppendInt4Sections("head", q4, &sections);
+        break;
+      }
       case HeadForm::kInt8: {
         absl::StatusOr<kernels::QuantizedWeight> head = kernels::QuantizeInt8(lm_head_);
         if (!head.ok()) return head.status();

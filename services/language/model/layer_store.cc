@@ -260,7 +260,7 @@ std::string PackedFormName(ProjectionForm form) {
     case ProjectionForm::kInt8:
       return absl::StrCat("int8/g", kernels::kInt8Group, "-i", kernels::kInt8Block);
     case ProjectionForm::kInt4:
-      return "";  // no file layout yet: Int4Weight needs raw-array accessors first
+      return absl::StrCat("int4/g", kernels::kInt4Group, "-i", kernels::kInt4Block, "-asym");
   }
   return "";
 }
@@ -298,6 +298,14 @@ void AppendInt8Sections(const std::string& name, const kernels::QuantizedWeight&
   out->push_back({name + ".rows", w.row(0), w.data_bytes()});
   out->push_back({name + ".row_scales", w.row_scales(), w.row_scale_bytes()});
   out->push_back({name + ".ratios", w.ratios(), w.ratio_bytes()});
+}
+
+void AppendInt4Sections(const std::string& name, const kernels::Int4Weight& w,
+                        std::vector<NamedBytes>* out) {
+  out->push_back({name + ".nibbles", w.packed(), w.packed_bytes()});
+  out->push_back({name + ".row_scales", w.row_scales(), w.row_scale_bytes()});
+  out->push_back({name + ".ratios", w.ratios(), w.ratio_bytes()});
+  out->push_back({name + ".zeros", w.zeros(), w.zero_bytes()});
 }
 
 namespace {
@@ -346,6 +354,28 @@ absl::StatusOr<kernels::QuantizedWeight> Int8FromFile(const PackedFile& file, in
       reinterpret_cast<const uint16_t*>(file.data(**ratios)), file.owner());
 }
 
+absl::StatusOr<kernels::Int4Weight> Int4FromFile(const PackedFile& file, int32_t group,
+                                                 const std::string& name, int64_t n, int64_t k) {
+  const int64_t kp = (k + kernels::kInt4Group - 1) / kernels::kInt4Group * kernels::kInt4Group;
+  const uint64_t un = static_cast<uint64_t>(n), groups = static_cast<uint64_t>(kp / kernels::kInt4Group);
+  absl::StatusOr<const PackedFile::Section*> nibbles =
+      FindSection(file, group, name + ".nibbles", un * static_cast<uint64_t>(kp / 2));
+  if (!nibbles.ok()) return nibbles.status();
+  absl::StatusOr<const PackedFile::Section*> scales =
+      FindSection(file, group, name + ".row_scales", un * sizeof(float));
+  if (!scales.ok()) return scales.status();
+  absl::StatusOr<const PackedFile::Section*> ratios =
+      FindSection(file, group, name + ".ratios", un * groups * sizeof(uint16_t));
+  if (!ratios.ok()) return ratios.status();
+  absl::StatusOr<const PackedFile::Section*> zeros =
+      FindSection(file, group, name + ".zeros", un * groups);
+  if (!zeros.ok()) return zeros.status();
+  return kernels::Int4Weight::View(n, k, file.data(**nibbles),
+                                   reinterpret_cast<const float*>(file.data(**scales)),
+                                   reinterpret_cast<const uint16_t*>(file.data(**ratios)),
+                                   file.data(**zeros), file.owner());
+}
+
 namespace {
 
 constexpr const char* kNormSections[] = {"input_layernorm", "q_norm", "k_norm",
@@ -376,6 +406,10 @@ std::vector<NamedBytes> LayerSections(const DecoderLayerWeights& w, ProjectionFo
       AppendInt8Sections("down", w.down8, &out);
       break;
     case ProjectionForm::kInt4:
+      AppendInt4Sections("qkv", w.qkv4, &out);
+      AppendInt4Sections("o", w.o4, &out);
+      AppendInt4Sections("gate_up", w.gate_up4, &out);
+      AppendInt4Sections("down", w.down4, &out);
       break;
   }
   return out;
@@ -408,8 +442,17 @@ absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> LayerFromFile(const PackedF
   switch (form) {
     case ProjectionForm::kDense:
       return absl::InvalidArgumentError("dense layers have no packed file");
-    case ProjectionForm::kInt4:
-      return absl::UnimplementedError("int4 layers have no packed-file layout yet");
+    case ProjectionForm::kInt4: {
+      struct P { kernels::Int4Weight* w; const char* name; int64_t n, k; };
+      for (const P& p : {P{&w->qkv4, "qkv", q + 2 * kv, h}, P{&w->o4, "o", h, q},
+                         P{&w->gate_up4, "gate_up", 2 * inter, h},
+                         P{&w->down4, "down", h, inter}}) {
+        absl::StatusOr<kernels::Int4Weight> qw = Int4FromFile(file, layer, p.name, p.n, p.k);
+        if (!qw.ok()) return qw.status();
+        *p.w = *std::move(qw);
+      }
+      break;
+    }
     case ProjectionForm::kPacked: {
       struct P { kernels::PackedWeight* w; const char* name; int64_t n, k; bool gate_up; };
       for (const P& p : {P{&w->qkv, "qkv", q + 2 * kv, h, false}, P{&w->o, "o", h, q, false},

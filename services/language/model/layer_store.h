@@ -179,10 +179,13 @@ struct NamedBytes {
   uint64_t size = 0;
 };
 // A projection's arrays under `name` ("<name>.panels" / "<name>.rows",
-// ".row_scales", ".ratios"), and the weight back from a file's group.
+// ".row_scales", ".ratios"; int4 "<name>.nibbles", ".row_scales", ".ratios",
+// ".zeros"), and the weight back from a file's group.
 void AppendPackedSections(const std::string& name, const kernels::PackedWeight& w,
                           std::vector<NamedBytes>* out);
 void AppendInt8Sections(const std::string& name, const kernels::QuantizedWeight& w,
+                        std::vector<NamedBytes>* out);
+void AppendInt4Sections(const std::string& name, const kernels::Int4Weight& w,
                         std::vector<NamedBytes>* out);
 absl::StatusOr<kernels::PackedWeight> PackedFromFile(const PackedFile& file, int32_t group,
                                                      const std::string& name, int64_t n,
@@ -190,6 +193,8 @@ absl::StatusOr<kernels::PackedWeight> PackedFromFile(const PackedFile& file, int
 absl::StatusOr<kernels::QuantizedWeight> Int8FromFile(const PackedFile& file, int32_t group,
                                                       const std::string& name, int64_t n,
                                                       int64_t k);
+absl::StatusOr<kernels::Int4Weight> Int4FromFile(const PackedFile& file, int32_t group,
+                                                 const std::string& name, int64_t n, int64_t k);
 // Group of the LM head in a packed file (layers are groups 0..L-1).
 inline constexpr int32_t kPackedHeadGroup = -1;
 

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 
@@ -172,7 +173,58 @@ struct PackedFile::GroupState {
   };
   std::mutex mu;
   std::map<int32_t, Group> groups;
+  size_t verified_ok = 0;  // groups whose sections all matched in this process
+  bool trusted = false;    // a verified-once marker matched at Open
+  std::string marker;      // what the marker holds for this very file
+  uint64_t header_checksum = 0;
 };
+
+namespace {
+
+// The verified-once marker "<file>.verified": written when one process has
+// checked every section's checksum, it names the file by device, inode,
+// size, modification and change times (ns) and header checksum. Any write to
+// the file (a partial rewrite, a corrupting edit) changes its times and a
+// rebuild makes a new inode, so a matching marker means the bytes are the ones
+// that were verified; later starts then skip hashing GBs before the first
+// token and only page the layers in.
+std::string MarkerPath(const std::string& path) { return path + ".verified"; }
+
+std::string MarkerText(const struct stat& st, uint64_t header_checksum) {
+  return absl::StrCat("vlmpack-verified-v1 dev=", static_cast<uint64_t>(st.st_dev),
+                      " ino=", static_cast<uint64_t>(st.st_ino),
+                      " size=", static_cast<int64_t>(st.st_size),
+                      " mtime=", static_cast<int64_t>(st.st_mtim.tv_sec), ".",
+                      static_cast<int64_t>(st.st_mtim.tv_nsec),
+                      " ctime=", static_cast<int64_t>(st.st_ctim.tv_sec), ".",
+                      static_cast<int64_t>(st.st_ctim.tv_nsec), " header=", header_checksum, "\n");
+}
+
+std::string ReadSmallFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
+  std::string text(256, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<size_t>(in.gcount()));
+  return text;
+}
+
+// Best effort (a read-only directory keeps verifying at every start).
+void WriteMarker(const std::string& path, const std::string& text) {
+  const std::string tmp = absl::StrCat(MarkerPath(path), ".tmp.", ::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return;
+    out << text;
+    if (!out.flush()) {
+      ::unlink(tmp.c_str());
+      return;
+    }
+  }
+  if (::rename(tmp.c_str(), MarkerPath(path).c_str()) != 0) ::unlink(tmp.c_str());
+}
+
+}  // namespace
 
 PackedFile::~PackedFile() = default;
 
@@ -286,8 +338,13 @@ absl::StatusOr<std::shared_ptr<PackedFile>> PackedFile::Open(const std::string& 
     g.sections.push_back(file->sections_.size());
     file->sections_.push_back(std::move(s));
   }
+  file->groups_->header_checksum = Read64(h + header_used);
+  file->groups_->marker = MarkerText(st, file->groups_->header_checksum);
+  file->groups_->trusted = ReadSmallFile(MarkerPath(path)) == file->groups_->marker;
   return file;
 }
+
+bool PackedFile::trusted() const { return groups_->trusted; }
 
 const PackedFile::Section* PackedFile::Find(int32_t group, std::string_view name) const {
   auto it = groups_->groups.find(group);
@@ -310,6 +367,10 @@ absl::Status PackedFile::VerifyGroup(int32_t group) const {
     }
     g = &it->second;
     if (g->verified) return g->verdict;
+    if (groups_->trusted) {
+      g->verified = true;
+      return g->verdict;
+    }
   }
   // Sections of a group hash in parallel: the read is the layer's page-in
   // (its page tables filled in one call first where the kernel can: cheaper
@@ -332,9 +393,22 @@ absl::Status PackedFile::VerifyGroup(int32_t group) const {
       break;
     }
   }
-  std::lock_guard<std::mutex> lock(groups_->mu);
-  g->verified = true;
-  g->verdict = verdict;
+  bool all_verified = false;
+  {
+    std::lock_guard<std::mutex> lock(groups_->mu);
+    if (g->verified) return g->verdict;  // another thread verified it meanwhile
+    g->verified = true;
+    g->verdict = verdict;
+    if (verdict.ok()) all_verified = ++groups_->verified_ok == groups_->groups.size();
+  }
+  if (all_verified) {
+    // Only for the file as it was at Open: same inode, not written since.
+    struct stat st {};
+    if (::stat(path_.c_str(), &st) == 0 &&
+        MarkerText(st, groups_->header_checksum) == groups_->marker) {
+      WriteMarker(path_, groups_->marker);
+    }
+  }
   return verdict;
 }
 
@@ -372,6 +446,7 @@ void PackedFile::Discard() const {
   if (::stat(path_.c_str(), &st) == 0 && st.st_ino == inode_ && st.st_dev == device_) {
     ::unlink(path_.c_str());
   }
+  ::unlink(MarkerPath(path_).c_str());
 }
 
 // ---------------------------------------------------------------------------

@@ -20,7 +20,9 @@
 // Open (a few KB); a section's checksum is verified lazily, by VerifyGroup,
 // when its layer is first materialized in a process: that read is the page-in
 // the layer needs anyway, whereas verifying every section at Open would read
-// the whole file (GBs) before the first request and defeat the mapping.
+// the whole file (GBs) before the first request and defeat the mapping. Once
+// one process has verified every section, a marker beside the file lets later
+// starts skip the hashing (a CPU-second or more on the 2B at start-up).
 //
 // Writing: PackedFileWriter writes "<name>.tmp.<pid>.<n>" in the directory,
 // fsyncs it and renames it into place (readers see a whole file or none).
@@ -92,8 +94,13 @@ class PackedFile {
   bool HasGroup(int32_t group) const;
 
   // Checks the checksums of the group's sections once per process (later calls
-  // return the first verdict); DATA_LOSS names the first bad section.
+  // return the first verdict); DATA_LOSS names the first bad section. When
+  // every group has passed, writes the verified-once marker "<path>.verified"
+  // (device, inode, size, mtime and ctime in ns, header checksum); a later
+  // Open that finds a matching marker is trusted() and VerifyGroup returns OK
+  // without hashing (any write to the file or a rebuild invalidates it).
   absl::Status VerifyGroup(int32_t group) const;
+  bool trusted() const;
   // madvise over the group's pages: WILLNEED (read-ahead), touching one byte
   // per page (all mapped on return), DONTNEED (out of this process's RSS; the
   // page cache keeps them).
