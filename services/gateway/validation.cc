@@ -98,6 +98,46 @@ absl::Status ValidateImageOptions(const std::string& where, const v1::ImageOptio
   return absl::OkStatus();
 }
 
+// The image part `c` of `message` (`where`), the request's `images`-th image.
+absl::Status ValidateImagePart(const v1::ChatRequest& request, const v1::ChatMessage& message,
+                               const std::string& where, int c, int images,
+                               const ValidationLimits& limits) {
+  if (images > limits.max_images_per_request) {
+    int total = 0;
+    for (const auto& msg : request.messages()) {
+      for (const auto& p : msg.content()) total += p.has_image() ? 1 : 0;
+    }
+    return Invalid(absl::StrCat("request has ", total, " images; max_images_per_request is ",
+                                limits.max_images_per_request));
+  }
+  const v1::ImagePart& image = message.content(c).image();
+  const std::string name = absl::StrCat("image ", images);
+  if (message.role() != "user") {
+    // The chat template ignores them there; refuse before paying for the encode.
+    return Invalid(absl::StrCat(name, " is in a ", message.role(), " message (", where,
+                                "); images go in user messages"));
+  }
+  switch (image.source_case()) {
+    case v1::ImagePart::kData:
+      if (image.data().empty()) return Invalid(absl::StrCat(name, " has empty data"));
+      if (static_cast<int64_t>(image.data().size()) > limits.max_image_bytes) {
+        return Invalid(absl::StrCat(name, " is ", image.data().size(),
+                                    " bytes; max_image_bytes is ", limits.max_image_bytes));
+      }
+      break;
+    case v1::ImagePart::kContentHash:
+      if (!IsSha256Hex(image.content_hash())) {
+        return Invalid(absl::StrCat(name, " content_hash \"", image.content_hash().substr(0, 80),
+                                    "\" is not a hex SHA-256 (64 hex digits)"));
+      }
+      break;
+    default:
+      return Invalid(absl::StrCat(name, " (", where, ".content[", c,
+                                  "]) has neither data nor content_hash"));
+  }
+  return ValidateImageOptions(name + " options", image.options());
+}
+
 }  // namespace
 
 bool IsSha256Hex(std::string_view text) {
@@ -146,42 +186,8 @@ absl::Status ValidateChatRequest(const v1::ChatRequest& request, const Validatio
           break;
         case v1::ContentPart::kImage: {
           ++images;
-          if (images > limits.max_images_per_request) {
-            int total = 0;
-            for (const auto& msg : request.messages()) {
-              for (const auto& p : msg.content()) total += p.has_image() ? 1 : 0;
-            }
-            return Invalid(absl::StrCat("request has ", total,
-                                        " images; max_images_per_request is ",
-                                        limits.max_images_per_request));
-          }
-          const v1::ImagePart& image = part.image();
-          const std::string name = absl::StrCat("image ", images);
-          if (message.role() != "user") {
-            // The chat template ignores them there; refuse before paying for the encode.
-            return Invalid(absl::StrCat(name, " is in a ", message.role(), " message (", where,
-                                        "); images go in user messages"));
-          }
-          switch (image.source_case()) {
-            case v1::ImagePart::kData:
-              if (image.data().empty()) return Invalid(absl::StrCat(name, " has empty data"));
-              if (static_cast<int64_t>(image.data().size()) > limits.max_image_bytes) {
-                return Invalid(absl::StrCat(name, " is ", image.data().size(),
-                                            " bytes; max_image_bytes is ",
-                                            limits.max_image_bytes));
-              }
-              break;
-            case v1::ImagePart::kContentHash:
-              if (!IsSha256Hex(image.content_hash())) {
-                return Invalid(absl::StrCat(name, " content_hash \"", image.content_hash().substr(0, 80),
-                                            "\" is not a hex SHA-256 (64 hex digits)"));
-              }
-              break;
-            default:
-              return Invalid(absl::StrCat(name, " (", where, ".content[", c,
-                                          "]) has neither data nor content_hash"));
-          }
-          if (absl::Status s = ValidateImageOptions(name + " options", image.options()); !s.ok()) {
+          if (absl::Status s = ValidateImagePart(request, message, where, c, images, limits);
+              !s.ok()) {
             return s;
           }
           break;

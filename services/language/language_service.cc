@@ -351,6 +351,24 @@ absl::Status LanguageService::PackOnly() {
   return absl::OkStatus();
 }
 
+absl::Status LanguageService::LoadConfigFiles() {
+  LoadPhaseTimer timer("language_config");
+  const std::string& dir = options_.model_dir;
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  if (!config.ok()) return config.status();
+  config_ = *std::move(config);
+  absl::StatusOr<GenerationConfig> generation = LoadGenerationConfig(dir);
+  if (generation.ok()) {
+    generation_config_ = *std::move(generation);
+  } else if (absl::IsNotFound(generation.status())) {
+    LogWarning(kLog, "no generation_config.json; greedy defaults, EOS from the tokenizer");
+  } else {
+    return generation.status();
+  }
+  if (!config_.tie_warning.empty()) LogWarning(kLog, config_.tie_warning);
+  return absl::OkStatus();
+}
+
 absl::Status LanguageService::Load() {
   const std::string& dir = options_.model_dir;
   if (dir.empty()) return absl::InvalidArgumentError("--model_dir is required");
@@ -359,11 +377,20 @@ absl::Status LanguageService::Load() {
   readiness_->SetNotServing(kLanguageServiceName, "warming up: reading the model files");
 
   // The tokenizer (the slowest file to parse) loads beside the weights.
+  // The grammar engine's view of the vocabulary is built from it there too,
+  // off the path to SERVING.
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
       absl::UnknownError("tokenizer not loaded");
+  absl::StatusOr<std::shared_ptr<const grammar::Vocabulary>> vocab =
+      absl::UnknownError("grammar vocabulary not built");
   std::thread tokenizer_thread([&] {
-    LoadPhaseTimer timer("language_tokenizer");
-    tokenizer = Tokenizer::Load(dir);
+    {
+      LoadPhaseTimer timer("language_tokenizer");
+      tokenizer = Tokenizer::Load(dir);
+    }
+    if (!tokenizer.ok()) return;
+    LoadPhaseTimer timer("language_grammar_vocabulary");
+    vocab = grammar::VocabularyFromTokenizer(**tokenizer);
   });
   struct Joiner {
     std::thread& t;
@@ -372,21 +399,7 @@ absl::Status LanguageService::Load() {
     }
   } joiner{tokenizer_thread};
 
-  {
-    LoadPhaseTimer timer("language_config");
-    absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
-    if (!config.ok()) return config.status();
-    config_ = *std::move(config);
-    absl::StatusOr<GenerationConfig> generation = LoadGenerationConfig(dir);
-    if (generation.ok()) {
-      generation_config_ = *std::move(generation);
-    } else if (absl::IsNotFound(generation.status())) {
-      LogWarning(kLog, "no generation_config.json; greedy defaults, EOS from the tokenizer");
-    } else {
-      return generation.status();
-    }
-    if (!config_.tie_warning.empty()) LogWarning(kLog, config_.tie_warning);
-  }
+  if (absl::Status s = LoadConfigFiles(); !s.ok()) return s;
   readiness_->SetNotServing(kLanguageServiceName,
                             "warming up: mapping the decoder (a first start packs its weights)");
   if (absl::Status s = LoadDecoder(); !s.ok()) return s;
@@ -420,15 +433,13 @@ absl::Status LanguageService::Load() {
   tokenizer_thread.join();
   if (!tokenizer.ok()) return tokenizer.status();
   tokenizer_ = *std::move(tokenizer);
-  {
-    LoadPhaseTimer timer("language_grammar_vocabulary");
-    absl::StatusOr<std::shared_ptr<const grammar::Vocabulary>> vocab =
-        grammar::VocabularyFromTokenizer(*tokenizer_);
-    if (!vocab.ok()) return vocab.status();
-    constexpr size_t kGrammarCacheEntries = 64;
-    grammars_ = std::make_unique<grammar::GrammarCache>(*std::move(vocab), kGrammarCacheEntries);
-  }
+  if (!vocab.ok()) return vocab.status();
+  constexpr size_t kGrammarCacheEntries = 64;
+  grammars_ = std::make_unique<grammar::GrammarCache>(*std::move(vocab), kGrammarCacheEntries);
+  return StartEngine();
+}
 
+absl::Status LanguageService::StartEngine() {
   GenerationStateConfig generator_config;
   for (int64_t id : generation_config_.eos_token_ids) {
     generator_config.eos_ids.push_back(static_cast<int32_t>(id));

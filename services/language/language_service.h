@@ -147,6 +147,10 @@ class LanguageService final : public v1::Language::Service {
   grpc::Status CountTokensRaw(grpc::ServerContext* context, RawStream* stream);
   // KV blocks for --kv_cache_mb (capped at what admitted sequences can use).
   absl::Status LoadDecoder(bool pack_only = false);
+  // config.json and generation_config.json into config_ / generation_config_.
+  absl::Status LoadConfigFiles();
+  // The KV pool, the runner and the engine, once the decoder and tokenizer are loaded.
+  absl::Status StartEngine();
   absl::StatusOr<int64_t> KvBlocks(int64_t block_size, uint64_t per_token) const;
   grpc::Status RunGenerate(grpc::ServerContext* context,
                            std::chrono::steady_clock::time_point arrival,
