@@ -35,7 +35,10 @@ CACHE="${VLM_IMAGE_CACHE:-${HOME:-/root}/.cache/vlm/images}"
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 SECURITY_MIRROR="${SECURITY_MIRROR:-${MIRROR%/debian}/debian-security}"
 export BUILDAH_ISOLATION="${BUILDAH_ISOLATION:-chroot}"
-CCACHE_HOST_DIR="${CCACHE_DIR:-${HOME:-/root}/.cache/ccache}"
+CCACHE_HOST_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+# Inside the build stage, which compiles as root, ccache keeps its default
+# directory: the host cache is mounted there.
+BUILDER_CCACHE_DIR=/root/.cache/ccache
 TARGETS=(vision language gateway)
 BASE=localhost/vlm-base:bookworm
 SLIM=localhost/vlm-base:bookworm-slim
@@ -166,7 +169,7 @@ fi
 volumes=()
 if ((use_ccache)); then
   mkdir -p "$CCACHE_HOST_DIR"
-  volumes=(--volume "$CCACHE_HOST_DIR:/root/.cache/ccache")
+  volumes=(--volume "$CCACHE_HOST_DIR:$BUILDER_CCACHE_DIR")
 fi
 # The build context: a snapshot of the checkout (tracked and untracked files that
 # git does not ignore, as a clean clone plus local edits would have), so that
