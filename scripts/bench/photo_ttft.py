@@ -10,7 +10,7 @@ serve.sh starts them, plus vision --max_pixels_limit=1048576 so that detail
 through the OpenAI HTTP API with max_tokens 1, each picture new to the vision
 cache (cold):
 
-    default   no options: the service's default budget (0.75 MP)
+    default   no options: the service's default budget (0.5 MP)
     low       detail "low" (512x512 budget)
     1 MP      detail "high" (up to the vision limit, 1048576 here)
 
@@ -192,7 +192,7 @@ def main():
           "each picture new to the cache; ms unless noted\n")
     rows = [("default, first request", None)]
     for _ in range(args.runs):
-        rows += [("default (0.75 MP)", None), ("detail low", "low"), ("1 MP (detail high)", "high")]
+        rows += [("default (0.5 MP)", None), ("detail low", "low"), ("1 MP (detail high)", "high")]
     print("| request | max_pixels | grid | image tokens | prompt tokens | TTFT s | decode JPEG | "
           "resize | ViT | vision (gateway) | projector | prefill | first token |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

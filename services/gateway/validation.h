@@ -36,7 +36,7 @@ struct ImageCostModel {
   int patch_size = 16;
   int merge_size = 2;
   int64_t min_pixels = 65536;           // the vision service's default min_pixels
-  int64_t default_max_pixels = 786432;  // the vision service's default max_pixels
+  int64_t default_max_pixels = 524288;  // the vision service's default max_pixels
   int64_t max_pixels_limit = 786432;    // the vision service's limit on a request's max_pixels
   double min_ms_per_patch = 0.05;       // 0 disables the deadline check
   int64_t max_image_tokens = 32768;     // estimated image tokens of one request; 0 = no limit

@@ -297,6 +297,7 @@ absl::Status LanguageService::LoadDecoder(bool pack_only) {
   decoder_options.matmul = options_.matmul;
   decoder_options.weight_dtype = options_.weight_dtype;
   decoder_options.int8_prefill_gemm = options_.int8_prefill_gemm;
+  decoder_options.int4_int8_layers = options_.int4_int8_layers;
   decoder_options.touch_embedding = options_.eager_load;
   decoder_options.layers.eager_load = options_.eager_load;
   decoder_options.layers.resident_layers = options_.resident_layers;

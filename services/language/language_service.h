@@ -78,6 +78,7 @@ struct LanguageServiceOptions {
   MatmulPath matmul = MatmulPath::kAuto;             // decoder.h
   WeightDType weight_dtype = WeightDType::kBFloat16;  // decoder.h
   bool int8_prefill_gemm = true;  // DecoderOptions::int8_prefill_gemm
+  int int4_int8_layers = kAutoInt4Int8Layers;  // DecoderOptions::int4_int8_layers
   int max_sequences = 8;        // sequences per engine batch (running at once)
   int max_queue = 16;           // generations admitted beyond the running ones
   int64_t max_batch_tokens = 512;  // tokens per forward pass (chunked prefill)

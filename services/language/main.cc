@@ -49,8 +49,13 @@ ABSL_FLAG(std::string, matmul, "auto",
           "(kernels where available); f32 compute always uses at::linear");
 ABSL_FLAG(std::string, weight_dtype, "bf16",
           "decoder projection weights: bf16, int8 (one scale per group of 32) or int4 (4-bit, "
-          "one scale and zero point per group of 32; LM head int8), quantized at layer "
-          "materialization; needs --compute_dtype bf16; ignores --matmul");
+          "one scale and zero point per group of 32; LM head and the first "
+          "--int4_int8_layers layers int8), quantized at layer materialization or pack time; "
+          "needs --compute_dtype bf16; ignores --matmul");
+ABSL_FLAG(int, int4_int8_layers, vlm::language::kAutoInt4Int8Layers,
+          "with --weight_dtype int4: how many leading decoder layers stay int8 (their rounding "
+          "error grows through every later layer); -1 = one layer in seven, rounded up (4 of "
+          "the 2B's 28); 0 = every layer int4");
 ABSL_FLAG(bool, int8_prefill_gemm, true,
           "with --weight_dtype int8: prefill rows on the bf16 GEMM over int8 weights converted "
           "per call (faster where prefill is compute-bound); false: the int8 GEMV like decode rows");
@@ -118,6 +123,7 @@ int Run() {
   }
   options.weight_dtype = *weight_dtype;
   options.int8_prefill_gemm = absl::GetFlag(FLAGS_int8_prefill_gemm);
+  options.int4_int8_layers = absl::GetFlag(FLAGS_int4_int8_layers);
   options.packed_cache_dir = absl::GetFlag(FLAGS_packed_cache_dir);
   absl::StatusOr<absl::Duration> warmup_delay = TestWarmupDelay();
   if (!warmup_delay.ok()) {

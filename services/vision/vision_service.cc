@@ -68,10 +68,11 @@ ABSL_FLAG(int64_t, max_pixels_limit, 0,
           "largest pixel budget a request may ask for (larger requests are lowered to it); "
           "0 = the checkpoint's max_pixels or, if smaller, the largest budget whose features "
           "fit --max_message_mb. A value whose features cannot fit is a start-up error.");
-ABSL_FLAG(int64_t, default_max_pixels, 786432,
+ABSL_FLAG(int64_t, default_max_pixels, 524288,
           "pixel budget of a request that sets none (larger images are resized down to it); "
-          "sized for CPU serving: 786432 (0.75 MP, 3072 patches, 768 tokens) encodes in "
-          "seconds on 2 cores. 0 = the checkpoint's max_pixels. Capped by --max_pixels_limit.");
+          "sized for CPU serving: 524288 (0.5 MP; a 4:3 photo becomes 832x608, 1976 patches, "
+          "494 tokens) keeps a photo's ViT + prefill near 10 s on 2 cores (README, Image "
+          "sizes). 0 = the checkpoint's max_pixels. Capped by --max_pixels_limit.");
 ABSL_FLAG(int64_t, cache_max_bytes, int64_t{1} << 30, "memory cache bound, in bytes");
 ABSL_FLAG(int64_t, cache_max_entries, 4096, "memory cache bound, in images (0 disables it)");
 ABSL_FLAG(double, cache_ttl_s, 0, "cache entry lifetime in seconds; 0 = no expiry");

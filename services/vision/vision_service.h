@@ -88,7 +88,7 @@ struct VisionServiceConfig {
   int64_t max_pixels_limit = 0;
   // The budget of a request that sets none (0 = the checkpoint's max_pixels),
   // capped by max_pixels_limit: a CPU-sized default.
-  int64_t default_max_pixels = 786432;
+  int64_t default_max_pixels = 524288;
   // Largest response message (gRPC send limit); an image whose features would
   // not fit is INVALID_ARGUMENT before any compute.
   int64_t max_response_bytes = int64_t{128} << 20;

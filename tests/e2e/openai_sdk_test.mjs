@@ -28,7 +28,7 @@ before(async () => {
     photos[`${w}x${h}`] = makeJpeg(w, h, path.join(work, `photo_${w}x${h}.jpg`));
   }
   // A photo-sized limit above the tiny checkpoint's own 65536 pixels, so that
-  // the default budget (0.75 MP) and detail "low" (512x512) differ.
+  // the default budget (0.5 MP) and detail "low" (512x512) differ.
   stack = await startStack({ gateways: { open: [], keyed: [`--api_keys_file=${keys}`] },
                              vision: ["--max_pixels_limit=1048576"] });
   client = new OpenAI({ baseURL: `${stack.http.open}/v1`, apiKey: "unused", maxRetries: 0, timeout: 60000 });
@@ -224,11 +224,13 @@ test("a 12 MP phone photo with no options answers, resized; detail low is smalle
   const jpeg = photos["4000x3000"];
   const plain = await client.chat.completions.create(imageRequest(jpeg, "image/jpeg"));
   const image = plain.x_vlm.images[0];
-  // smart_resize(3000, 4000, 32, 65536, 786432) = 768 x 1024: 48 x 64 patches, 768 tokens.
-  assert.deepEqual(image.grid, [1, 48, 64]);
-  assert.equal(image.max_pixels, 786432);
-  assert.equal(image.tokens, 768);
-  assert.ok(plain.usage.prompt_tokens > 768);
+  // smart_resize(3000, 4000, 32, 65536, 524288): beta = sqrt(12e6 / 524288) = 4.784,
+  // floor(3000 / 4.784 / 32) * 32 = 608, floor(4000 / 4.784 / 32) * 32 = 832:
+  // 38 x 52 patches, 494 tokens.
+  assert.deepEqual(image.grid, [1, 38, 52]);
+  assert.equal(image.max_pixels, 524288);
+  assert.equal(image.tokens, 494);
+  assert.ok(plain.usage.prompt_tokens > 494);
   const low = await client.chat.completions.create(imageRequest(jpeg, "image/jpeg", "low"));
   const small = low.x_vlm.images[0];
   assert.equal(small.max_pixels, 262144);
@@ -241,8 +243,8 @@ test("12000x9000 answers at the default budget", async () => {
   const jpeg = photos["12000x9000"];
   const c = await client.chat.completions.create(imageRequest(jpeg, "image/jpeg"));
   const image = c.x_vlm.images[0];
-  assert.deepEqual(image.grid, [1, 48, 64]);  // 4:3 like the 12 MP photo: 768 x 1024
-  assert.equal(image.max_pixels, 786432);
+  assert.deepEqual(image.grid, [1, 38, 52]);  // 4:3 like the 12 MP photo: 608 x 832
+  assert.equal(image.max_pixels, 524288);
 });
 
 test("extreme shapes answer or get a 400 naming the model's limit", async () => {

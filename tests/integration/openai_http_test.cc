@@ -486,7 +486,7 @@ json PhotoBody(const std::string& jpeg, const char* detail) {
 }
 
 // The photo as a new user sends it: no options. It is resized to the server's
-// default budget (0.75 MP: 768x1024, 48x64 patches), never refused for size;
+// default budget (0.5 MP: 608x832, 38x52 patches), never refused for size;
 // detail "low" gives 512x512's budget.
 TEST_F(OpenAiHttpTest, PhonePhotoIsResizedToTheBudgetNotRefused) {
   const std::string jpeg = PhonePhotoJpeg(log_dir_);
@@ -496,10 +496,10 @@ TEST_F(OpenAiHttpTest, PhonePhotoIsResizedToTheBudgetNotRefused) {
     json grid;
     int64_t max_pixels;
   };
-  // smart_resize(3000, 4000, 32, 65536, 786432) = 768x1024 exactly (beta 3.90625);
-  // with 262144: floor(3000 / 6.77 / 32) * 32 = 416, floor(4000 / 6.77 / 32) * 32 = 576.
-  for (const Case& c : {Case{nullptr, json::array({1, 48, 64}), 786432},
-                        Case{"auto", json::array({1, 48, 64}), 786432},
+  // smart_resize(3000, 4000, 32, 65536, 524288): beta = 4.784, floor(3000 / 4.784 / 32) * 32
+  // = 608, floor(4000 / 4.784 / 32) * 32 = 832; with 262144: floor(3000 / 6.77 / 32) * 32 = 416, floor(4000 / 6.77 / 32) * 32 = 576.
+  for (const Case& c : {Case{nullptr, json::array({1, 38, 52}), 524288},
+                        Case{"auto", json::array({1, 38, 52}), 524288},
                         Case{"low", json::array({1, 26, 36}), 262144}}) {
     auto res = Post(PhotoBody(jpeg, c.detail));
     ASSERT_TRUE(res);
@@ -897,10 +897,10 @@ TEST_F(OpenAiHttpExtraTest, ImpossibleDeadlineForAPhotoIs504BeforeAnyEncode) {
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 504) << res->body;
   const std::string message = json::parse(res->body)["error"]["message"];
-  EXPECT_NE(message.find("image 1 (4000x3000, resized to 1024x768: 3072 patches)"),
+  EXPECT_NE(message.find("image 1 (4000x3000, resized to 832x608: 1976 patches)"),
             std::string::npos)
       << message;
-  EXPECT_NE(message.find("at least 307200 ms"), std::string::npos) << message;
+  EXPECT_NE(message.find("at least 197600 ms"), std::string::npos) << message;
   EXPECT_EQ(g.process->Stop(SIGTERM, absl::Seconds(20)), std::optional<int>(0));
 }
 

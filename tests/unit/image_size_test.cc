@@ -198,17 +198,18 @@ v1::ChatRequest RequestWith(const std::vector<std::string>& images) {
 }
 
 TEST(ImageCostTest, EstimatesThePhotoAtTheDefaultBudget) {
-  ImageCostModel model;  // default budget 786432
+  ImageCostModel model;  // default budget 524288
   const std::vector<ImageEstimate> e = EstimateImages(RequestWith({PngHeader(4000, 3000)}), model);
   ASSERT_EQ(e.size(), 1u);
-  EXPECT_EQ(e[0].max_pixels, 786432);
-  // smart_resize(3000, 4000, 32, 65536, 786432): beta = sqrt(12e6 / 786432) = 3.90625
-  // exactly -> 768 x 1024, 48 x 64 patches, 768 tokens.
-  EXPECT_EQ(e[0].resized_height, 768);
-  EXPECT_EQ(e[0].resized_width, 1024);
-  EXPECT_EQ(e[0].patches, 48 * 64);
-  EXPECT_EQ(e[0].tokens, 768);
-  EXPECT_LE(e[0].resized_height * e[0].resized_width, 786432);
+  EXPECT_EQ(e[0].max_pixels, 524288);
+  // smart_resize(3000, 4000, 32, 65536, 524288): beta = sqrt(12e6 / 524288) = 4.784,
+  // floor(3000 / 4.784 / 32) * 32 = 608, floor(4000 / 4.784 / 32) * 32 = 832:
+  // 38 x 52 patches, 494 tokens.
+  EXPECT_EQ(e[0].resized_height, 608);
+  EXPECT_EQ(e[0].resized_width, 832);
+  EXPECT_EQ(e[0].patches, 38 * 52);
+  EXPECT_EQ(e[0].tokens, 494);
+  EXPECT_LE(e[0].resized_height * e[0].resized_width, 524288);
 }
 
 TEST(ImageCostTest, BudgetFollowsTheRequestOptionsUpToTheLimit) {
@@ -220,7 +221,7 @@ TEST(ImageCostTest, BudgetFollowsTheRequestOptionsUpToTheLimit) {
   ASSERT_EQ(e.size(), 1u);
   EXPECT_EQ(e[0].max_pixels, 262144);
   EXPECT_LE(e[0].resized_height * e[0].resized_width, 262144);
-  // "high": lowered to the vision service's limit (here equal to its default).
+  // "high": lowered to the vision service's limit (here 786432, above its default).
   v1::ChatRequest high = RequestWith({PngHeader(4000, 3000)});
   high.mutable_image_options()->set_max_pixels(int64_t{1} << 40);
   e = EstimateImages(high, model);
@@ -241,8 +242,8 @@ TEST(ImageCostTest, ImpossibleDeadlineIsRefusedEarlyNamingTheEstimate) {
   const v1::ChatRequest request = RequestWith({PngHeader(64, 64), PngHeader(4000, 3000)});
   absl::Status s = CheckImageCost(request, model, absl::Milliseconds(100));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("image 2 (4000x3000, resized to 1024x768: 3072"));
-  EXPECT_THAT(std::string(s.message()), HasSubstr("at least 3072 ms"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("image 2 (4000x3000, resized to 832x608: 1976"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("at least 1976 ms"));
   EXPECT_TRUE(CheckImageCost(request, model, absl::Seconds(10)).ok());
   EXPECT_TRUE(CheckImageCost(request, model, absl::InfiniteDuration()).ok());
   model.min_ms_per_patch = 0;  // disabled

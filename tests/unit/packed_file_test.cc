@@ -106,7 +106,10 @@ class PackedFileTest : public ::testing::TestWithParam<WeightDType> {
 
   // Loads the tiny decoder with packed_dir `dir` and runs a prompt of 12
   // tokens then two decode steps; the logits of the three logit rows.
-  Loaded Load(const std::string& dir, int resident_layers, bool background = true) {
+  // int8_layers: DecoderOptions::int4_int8_layers (int4 form only; the
+  // default on the tiny model's 4 layers: layer 0 int8, the rest int4).
+  Loaded Load(const std::string& dir, int resident_layers, bool background = true,
+              int int8_layers = kAutoInt4Int8Layers) {
     Loaded out;
     auto ckpt = SafetensorsCheckpoint::Open(TinyDir());
     EXPECT_TRUE(ckpt.ok()) << ckpt.status();
@@ -119,6 +122,7 @@ class PackedFileTest : public ::testing::TestWithParam<WeightDType> {
     // int4 layers with the int4 LM head: the head's own sections in the file
     // (the int8 head is covered by the int8 form).
     o.int4_lm_head = GetParam() == WeightDType::kInt4;
+    o.int4_int8_layers = int8_layers;
     o.packed_dir = dir;
     o.layers.resident_layers = resident_layers;
     o.layers.background_materialize = background;
@@ -234,6 +238,31 @@ TEST_P(PackedFileTest, ResidentBoundDropsMappedLayersWithIdenticalLogits) {
   EXPECT_LE(layers.resident_layers(), 2);
   EXPECT_EQ(layers.conversions(), 0);
   EXPECT_TRUE(at::equal(bounded.logits, reference_.logits));
+}
+
+// int4 with another count of int8 layers is another layout: its own file,
+// built beside the first, and both map afterwards with their own logits.
+TEST_P(PackedFileTest, Int4WithOtherInt8LayersHasItsOwnFile) {
+  if (GetParam() != WeightDType::kInt4) GTEST_SKIP() << "int8 leading layers are an int4 option";
+  const std::string first = Build();
+  ASSERT_FALSE(first.empty());
+  Loaded in_memory = Load("", 0, true, 2);
+  ASSERT_NE(in_memory.decoder, nullptr);
+  EXPECT_FALSE(at::equal(in_memory.logits, reference_.logits));  // layer 1 is int8 now
+  Loaded built = Load(dir_, 0, true, 2);
+  ASSERT_NE(built.decoder, nullptr);
+  EXPECT_EQ(built.decoder->packed_file_outcome().state, "built");
+  EXPECT_NE(built.decoder->packed_file_outcome().path, first);
+  EXPECT_NE(built.decoder->packed_file_outcome().path.find("int8x2"), std::string::npos);
+  EXPECT_TRUE(at::equal(built.logits, in_memory.logits));
+  Loaded mapped = Load(dir_, 0, true, 2);
+  ASSERT_NE(mapped.decoder, nullptr);
+  EXPECT_EQ(mapped.decoder->packed_file_outcome().state, "mapped");
+  EXPECT_TRUE(at::equal(mapped.logits, in_memory.logits));
+  Loaded again = Load(dir_, 0);  // the default's file is untouched
+  ASSERT_NE(again.decoder, nullptr);
+  EXPECT_EQ(again.decoder->packed_file_outcome().state, "mapped");
+  EXPECT_TRUE(at::equal(again.logits, reference_.logits));
 }
 
 TEST_P(PackedFileTest, TruncatedFileIsRebuilt) {

@@ -170,7 +170,7 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::Load(
     // first if needed; null: converted in memory.
     const ProjectionForm form = layer_options->form;
     layer_options->packed_file = OpenOrBuildPackedFile(
-        *checkpoint, config.text, *prefix, dtype, form, options.packed_dir,
+        *checkpoint, config.text, *prefix, dtype, *layer_options, options.packed_dir,
         [&](PackedFileWriter& w) { return d->WriteHead(form, w); }, &d->packed_outcome_);
   }
   absl::StatusOr<std::unique_ptr<LayerStore>> store =
@@ -308,7 +308,24 @@ absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::strin
           ComputeDTypeName(compute_dtype_), warning.empty() ? "" : absl::StrCat(": ", warning),
           "); float32 is the unquantized fidelity reference"));
     }
+    if (options.int4_int8_layers < kAutoInt4Int8Layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "int4_int8_layers must be >= 0 (or -1: one layer in seven), not ",
+          options.int4_int8_layers));
+    }
+    const int64_t layers = config_.text.num_hidden_layers;
     layer_options.form = ProjectionForm::kInt4;
+    layer_options.int8_layers = static_cast<int>(std::min<int64_t>(
+        options.int4_int8_layers == kAutoInt4Int8Layers ? AutoInt4Int8Layers(layers)
+                                                        : options.int4_int8_layers,
+        layers));
+    if (layer_options.int8_layers > 0) {
+      std::string missing;
+      if (!kernels::GemvInt8PathSupported(kernels::DefaultGemvInt8Path(), &missing)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("weight_dtype int4 with int8 layers: ", missing));
+      }
+    }
     const kernels::GemmPath gemm = kernels::DefaultGemmPath();
     quantized_gemm_ = gemm != kernels::GemmPath::kTorch;
     matmul_note = absl::StrCat(
@@ -316,6 +333,9 @@ absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::strin
         kernels::GemvInt4PathName(kernels::DefaultGemvInt4Path()), ", prefill rows ",
         quantized_gemm_ ? absl::StrCat("gemm_int4/", kernels::GemmPathName(gemm))
                         : std::string("gemv_int4"),
+        layer_options.int8_layers > 0
+            ? absl::StrCat("; layers 0-", layer_options.int8_layers - 1, " int8")
+            : std::string(),
         ")");
   } else if (options.weight_dtype == WeightDType::kInt8) {
     if (dtype != at::kBFloat16) {
@@ -892,7 +912,7 @@ void Decoder::ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w,
   const TextConfig& c = config_.text;
   const int64_t nq = c.num_attention_heads * c.head_dim, nkv = c.num_key_value_heads * c.head_dim;
   at::Tensor y;  // [R, nq + 2·nkv]
-  switch (projection_form()) {
+  switch (w.form) {
     case ProjectionForm::kDense: {
       std::vector<at::Tensor> ys = Project(np, nd, h, {w.q_proj, w.k_proj, w.v_proj});
       *q = ys[0].contiguous();
@@ -921,7 +941,7 @@ void Decoder::ProjectQkv(int64_t np, int64_t nd, const DecoderLayerWeights& w,
 
 void Decoder::AddAttentionOut(int64_t np, int64_t nd, const DecoderLayerWeights& w,
                               const at::Tensor& o, at::Tensor& x) const {
-  switch (projection_form()) {
+  switch (w.form) {
     case ProjectionForm::kDense:
       RowAddInPlace(x, Project(np, nd, o, {w.o_proj})[0]);
       return;
@@ -943,7 +963,7 @@ void Decoder::AddAttentionOut(int64_t np, int64_t nd, const DecoderLayerWeights&
 
 void Decoder::AddMlp(int64_t np, int64_t nd, const DecoderLayerWeights& w, const at::Tensor& n,
                      at::Tensor& x) const {
-  switch (projection_form()) {
+  switch (w.form) {
     case ProjectionForm::kDense: {
       std::vector<at::Tensor> gate_up = Project(np, nd, n, {w.gate_proj, w.up_proj});
       RowAddInPlace(x, Project(np, nd, RowSiluMul(gate_up[0], gate_up[1]), {w.down_proj})[0]);

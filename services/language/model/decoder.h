@@ -80,6 +80,20 @@ absl::StatusOr<MatmulPath> ParseMatmulPath(std::string_view value);
 //         rounding's 8% weight error. Against bf16 on the dequantized weights
 //         0.9999 (decoder_int4_test): the kernels add next to nothing.
 enum class WeightDType { kBFloat16, kInt8, kInt4 };
+// int4 weights keep their first layers in int8 (DecoderOptions::
+// int4_int8_layers, default kAutoInt4Int8Layers: one layer in seven, rounded
+// up; 4 of the 2B's 28). Measured per layer on the synthetic 2B checkpoint
+// (scripts/bench/int4_layer_sensitivity.py), 4-bit rounding of layer 0 alone
+// costs 0.036 of logits cosine, layer 1 0.013, layer 2 0.007, layer 3 0.005,
+// a middle layer 0.0007 and the last 0.0003: an early layer's error grows
+// through every later one. vlm-bench-decoder --fidelity on the 2B: every
+// layer int4 0.916 mean cosine, 1.171 GB per decode step; the first 2 int8
+// 0.962 / 1.218 GB; 4: 0.977 / 1.265 GB; 8: 0.987 / 1.359 GB; 12: 0.991 /
+// 1.454 GB (int8 everywhere 0.9993 / 1.831 GB). Four buys 73% of the loss
+// back for 8% more bytes; each later layer buys less.
+inline constexpr int kAutoInt4Int8Layers = -1;
+// The int8 layer count kAutoInt4Int8Layers means for a model of `layers`.
+inline int AutoInt4Int8Layers(int64_t layers) { return static_cast<int>((layers + 6) / 7); }
 const char* WeightDTypeName(WeightDType dtype);  // "bf16", "int8", "int4"
 // "bf16" (or "bfloat16"), "int8", "int4"; INVALID_ARGUMENT names the accepted values.
 absl::StatusOr<WeightDType> ParseWeightDType(std::string_view value);
@@ -110,6 +124,9 @@ struct DecoderOptions {
   // With weight_dtype int4: the LM head in int4 instead (the fewest bytes;
   // for fidelity comparisons).
   bool int4_lm_head = false;
+  // With weight_dtype int4: how many leading layers are int8 instead
+  // (LayerStoreOptions::int8_layers); kAutoInt4Int8Layers above says why.
+  int int4_int8_layers = kAutoInt4Int8Layers;
   // With weight_dtype int8: prefill rows through kernels::GemmInt8 (int8
   // panels converted to bf16 per call, the bf16 GEMM's micro-kernel) where a
   // blocked GEMM path exists; false: through GemvInt8 like decode rows.

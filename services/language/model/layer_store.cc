@@ -222,6 +222,7 @@ absl::Status ConvertProjections(ProjectionForm form, int layer, DecoderLayerWeig
   } catch (const c10::Error& e) {
     return absl::InternalError(where + e.what_without_backtrace());
   }
+  w.form = form;
   // One copy of every weight: release the dense projections (mapped pages
   // back to the page cache, converted copies freed with the tensors).
   for (at::Tensor* t : {&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj, &w.gate_proj, &w.up_proj,
@@ -251,7 +252,7 @@ const char* ProjectionFormName(ProjectionForm form) {
 // Packed-weight file of the layers
 // ---------------------------------------------------------------------------
 
-std::string PackedFormName(ProjectionForm form) {
+std::string PackedFormName(ProjectionForm form, int int8_layers) {
   switch (form) {
     case ProjectionForm::kDense:
       return "";
@@ -260,7 +261,8 @@ std::string PackedFormName(ProjectionForm form) {
     case ProjectionForm::kInt8:
       return absl::StrCat("int8/g", kernels::kInt8Group, "-i", kernels::kInt8Block);
     case ProjectionForm::kInt4:
-      return absl::StrCat("int4/g", kernels::kInt4Group, "-i", kernels::kInt4Block, "-asym");
+      return absl::StrCat("int4/g", kernels::kInt4Group, "-i", kernels::kInt4Block, "-asym",
+                          int8_layers > 0 ? absl::StrCat("+int8x", int8_layers) : "");
   }
   return "";
 }
@@ -477,6 +479,7 @@ absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> LayerFromFile(const PackedF
       break;
     }
   }
+  w->form = form;
   return w;
 }
 
@@ -519,10 +522,11 @@ const char* WriteFailureReason(const absl::Status& s) {
 }
 
 // Every layer's sections present with the sizes its form needs (table only).
-absl::Status CheckLayerSections(const PackedFile& file, ProjectionForm form, const TextConfig& c,
-                                at::ScalarType dtype) {
+absl::Status CheckLayerSections(const PackedFile& file, const LayerStoreOptions& layers,
+                                const TextConfig& c, at::ScalarType dtype) {
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> w = LayerFromFile(file, l, form, c, dtype);
+    absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> w =
+        LayerFromFile(file, l, layers.LayerForm(l), c, dtype);
     if (!w.ok()) return w.status();
   }
   return absl::OkStatus();
@@ -532,8 +536,9 @@ absl::Status CheckLayerSections(const PackedFile& file, ProjectionForm form, con
 
 std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
     const SafetensorsCheckpoint& ckpt, const TextConfig& c, const std::string& prefix,
-    at::ScalarType dtype, ProjectionForm form, const std::string& dir,
+    at::ScalarType dtype, const LayerStoreOptions& layers, const std::string& dir,
     const std::function<absl::Status(PackedFileWriter&)>& extra, PackedFileOutcome* outcome) {
+  const ProjectionForm form = layers.form;
   *outcome = PackedFileOutcome();
   outcome->state = "unavailable";
   if (form == ProjectionForm::kDense) {
@@ -556,7 +561,7 @@ std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
   }
   PackedFileKey key;
   key.checkpoint = PackedCheckpointId(ckpt);
-  key.form = PackedFormName(form);
+  key.form = PackedFormName(form, layers.int8_layers);
   key.stem = PackedFileStem(ckpt);
   outcome->path = (std::filesystem::path(dir) / key.FileName()).string();
   {
@@ -564,7 +569,7 @@ std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
     std::string reason;
     absl::StatusOr<std::shared_ptr<PackedFile>> file = PackedFile::Open(outcome->path, key, &reason);
     if (file.ok()) {
-      absl::Status sections = CheckLayerSections(**file, form, c, dtype);
+      absl::Status sections = CheckLayerSections(**file, layers, c, dtype);
       if (sections.ok()) {
         outcome->state = "mapped";
         outcome->seconds = timer.Stop();
@@ -610,8 +615,10 @@ std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
       tensors.push_back(*std::move(t));
     }
     std::shared_ptr<DecoderLayerWeights> w = FromTensors(std::move(tensors));
-    if (absl::Status s = ConvertProjections(form, l, *w); !s.ok()) return unwritten(s);
-    for (const NamedBytes& b : LayerSections(*w, form)) {
+    if (absl::Status s = ConvertProjections(layers.LayerForm(l), l, *w); !s.ok()) {
+      return unwritten(s);
+    }
+    for (const NamedBytes& b : LayerSections(*w, w->form)) {
       if (absl::Status s = (*writer)->Add(l, b.name, b.data, b.size); !s.ok()) {
         return unwritten(s);
       }
@@ -711,7 +718,7 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
     }
     // Norms (fields 0, 5, 6, 7) stay dense; projections take options.form.
     const size_t e = at::elementSize(compute_dtype);
-    const ProjectionForm f = options.form;
+    const ProjectionForm f = options.LayerForm(l);
     slot.bytes = static_cast<uint64_t>(2 * h + 2 * c.head_dim) * e;
     if (f == ProjectionForm::kDense) {
       slot.bytes += ProjectionBytes(f, q, h, false, e) + 2 * ProjectionBytes(f, kv, h, false, e) +
@@ -805,7 +812,7 @@ absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materiali
     if (verified.ok()) {
       file->TouchGroup(layer);
       absl::StatusOr<std::shared_ptr<DecoderLayerWeights>> w =
-          LayerFromFile(*file, layer, options_.form, config_, dtype_);
+          LayerFromFile(*file, layer, options_.LayerForm(layer), config_, dtype_);
       if (w.ok()) {
         *from_file = true;
         return std::shared_ptr<const DecoderLayerWeights>(*std::move(w));
@@ -855,7 +862,7 @@ absl::StatusOr<std::shared_ptr<const DecoderLayerWeights>> LayerStore::Materiali
 }
 
 absl::Status LayerStore::Convert(int layer, DecoderLayerWeights& w) const {
-  if (absl::Status s = ConvertProjections(options_.form, layer, w); !s.ok()) return s;
+  if (absl::Status s = ConvertProjections(options_.LayerForm(layer), layer, w); !s.ok()) return s;
   if (in_place_) {
     const Slot& slot = slots_[layer];
     for (int f : {1, 2, 3, 4, 8, 9, 10}) checkpoint_->Evict(slot.names[f]).IgnoreError();

@@ -110,6 +110,11 @@ const char* ProjectionFormName(ProjectionForm form);  // "dense", "packed", "int
 
 // One Qwen3 decoder layer (spec §2 names, [out, in] layouts).
 struct DecoderLayerWeights {
+  // Which of the members below hold the projections: kDense the tensors,
+  // kPacked qkv/o/gate_up/down, kInt8 the *8 members, kInt4 the *4 members.
+  // Set where the layer is made (LayerStoreOptions::LayerForm): one store can
+  // hold int8 and int4 layers.
+  ProjectionForm form = ProjectionForm::kDense;
   at::Tensor input_layernorm;           // [hidden]
   at::Tensor q_proj;                    // [heads·head_dim, hidden]
   at::Tensor k_proj;                    // [kv_heads·head_dim, hidden]
@@ -143,6 +148,17 @@ struct LayerStoreOptions {
   // What materialization makes of the projections (kPacked / kInt8 / kInt4 need a
   // bf16 compute dtype: Create rejects them otherwise).
   ProjectionForm form = ProjectionForm::kDense;
+  // With form kInt4: layers [0, int8_layers) are int8 instead. An early
+  // layer's rounding error grows through every later layer (vlm-bench-decoder
+  // --fidelity, scripts/bench/int4_layer_sensitivity.py), so a few int8
+  // layers at the start buy most of the fidelity 4 bits lose, for a few
+  // percent more bytes.
+  int int8_layers = 0;
+  // The form layer `layer` is made in (form, or kInt8 for the first
+  // int8_layers of an int4 store).
+  ProjectionForm LayerForm(int layer) const {
+    return form == ProjectionForm::kInt4 && layer < int8_layers ? ProjectionForm::kInt8 : form;
+  }
   // The layers in `form`, mapped (OpenOrBuildPackedFile checked its
   // sections); null: converted from the checkpoint on materialization.
   std::shared_ptr<const PackedFile> packed_file;
@@ -162,7 +178,10 @@ struct LayerStoreOptions {
 // ("packed/bf16-panels32", "int8/g32-i512"); empty for kDense (the checkpoint
 // is already the kernels' layout). A form's sections are listed in
 // layer_store.cc (LayerSections / LayerFromFile), one case per form.
-std::string PackedFormName(ProjectionForm form);
+// With int8_layers (kInt4 only) the name says how many leading layers are
+// int8 ("int4/g32-i512-asym+int8x4"), so a file made with another count is
+// foreign.
+std::string PackedFormName(ProjectionForm form, int int8_layers = 0);
 // Identifies the checkpoint for the packed file's key: SHA-256 of its model
 // fingerprint (tensor headers and metadata, common/model_fingerprint.h) and
 // each file's name, size and modification time (the fingerprint does not
@@ -213,7 +232,7 @@ struct PackedFileOutcome {
 // vlm_model_load_seconds{phase="language_packed_map"|"language_packed_build"}.
 std::shared_ptr<const PackedFile> OpenOrBuildPackedFile(
     const SafetensorsCheckpoint& checkpoint, const TextConfig& config, const std::string& prefix,
-    at::ScalarType compute_dtype, ProjectionForm form, const std::string& dir,
+    at::ScalarType compute_dtype, const LayerStoreOptions& layers, const std::string& dir,
     const std::function<absl::Status(PackedFileWriter&)>& extra, PackedFileOutcome* outcome);
 
 class LayerStore {
