@@ -103,6 +103,7 @@
 #include "common/kernels/gemv_int8.h"
 #include "common/model_config.h"
 #include "common/safetensors.h"
+#include "services/language/model/decoder.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "common/kernels/gemv.h"
 #include "vlm/v1/language.grpc.pb.h"
@@ -376,14 +377,38 @@ LayerForm FormOf(absl::string_view extra) {
   return LayerForm::kBf16;
 }
 
+// --int4_int8_layers in a configuration's flags (absent: the service's auto).
+int Int4Int8LayersOf(absl::string_view extra) {
+  constexpr absl::string_view kFlag = "--int4_int8_layers=";
+  const size_t at = extra.find(kFlag);
+  int n = vlm::language::kAutoInt4Int8Layers;
+  if (at != absl::string_view::npos) {
+    absl::string_view v = extra.substr(at + kFlag.size());
+    v = v.substr(0, v.find_first_of(", "));
+    if (!absl::SimpleAtoi(v, &n)) n = vlm::language::kAutoInt4Int8Layers;
+  }
+  return n;
+}
+
 // Weight bytes one decode step reads: the projections in `form` (int8: rows,
 // row scales and group ratios; int4: nibbles, row scales, group ratios and
-// zero points), the LM head in int8 when int8_head (the service's int8 and
+// zero points, with the first int8_layers layers in int8, -1: the service's
+// one in seven), the LM head in int8 when int8_head (the service's int8 and
 // int4 forms), everything else as stored.
 uint64_t DecodeWeightBytes(const std::string& dir, LayerForm form = LayerForm::kBf16,
-                           bool int8_head = false) {
+                           bool int8_head = false,
+                           int int8_layers = vlm::language::kAutoInt4Int8Layers) {
   auto checkpoint = vlm::SafetensorsCheckpoint::Open(dir);
   if (!checkpoint.ok()) return 0;
+  if (int8_layers == vlm::language::kAutoInt4Int8Layers) {
+    auto config = vlm::LoadModelConfig(dir);
+    int8_layers = config.ok() ? vlm::language::AutoInt4Int8Layers(config->text.num_hidden_layers) : 0;
+  }
+  // "...layers.<n>.": the decoder layer of a tensor name.
+  auto layer_of = [](const std::string& name) {
+    const size_t at = name.find("layers.");
+    return at == std::string::npos ? -1 : std::atoi(name.c_str() + at + 7);
+  };
   auto int4_bytes = [](const std::vector<int64_t>& shape) {
     const uint64_t n = static_cast<uint64_t>(shape[0]);
     const uint64_t groups = static_cast<uint64_t>(
@@ -413,7 +438,7 @@ uint64_t DecodeWeightBytes(const std::string& dir, LayerForm form = LayerForm::k
       if (projection && form == LayerForm::kInt8) {
         bytes += int8_bytes(shape);
       } else if (projection && form == LayerForm::kInt4) {
-        bytes += int4_bytes(shape);
+        bytes += layer_of(name) < int8_layers ? int8_bytes(shape) : int4_bytes(shape);
       } else {
         bytes += (*info)->nbytes();
       }
@@ -482,7 +507,7 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
     // The KV pool is address space until blocks are used, so at SERVING the
     // process should hold little beyond its weights (the budget: + 400 MiB).
     const LayerForm form = FormOf(extra);
-    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16) / 1048576.0;
+    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16, Int4Int8LayersOf(extra)) / 1048576.0;
     col.Add("weight bytes in this form (MiB)", absl::StrFormat("%.0f", weights));
     col.Add("RSS at SERVING - weight bytes (MiB)",
             absl::StrFormat("%.0f", Median(rss_serving) - weights));
@@ -867,7 +892,7 @@ int StartupTable(const std::string& binary, const std::string& dir) {
         absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)), "--log_level=warning"};
     for (absl::string_view f : absl::StrSplit(extra, ',', absl::SkipEmpty())) base.emplace_back(f);
     const LayerForm form = FormOf(extra);
-    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16) / 1048576.0;
+    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16, Int4Int8LayersOf(extra)) / 1048576.0;
     for (const bool packed : {false, true}) {
       Column col;
       col.name = absl::StrCat(name, packed ? ", packed file" : ", old (--packed_cache_dir=)");
@@ -993,7 +1018,7 @@ int main(int argc, char** argv) {
     // The service's int8 and int4 forms put the LM head in int8
     // (DecoderOptions::int8_lm_head).
     const LayerForm form = FormOf(extra);
-    columns.back().bytes = DecodeWeightBytes(dir, form, form != LayerForm::kBf16);
+    columns.back().bytes = DecodeWeightBytes(dir, form, form != LayerForm::kBf16, Int4Int8LayersOf(extra));
   }
   // The bound uses the best bandwidth seen in this run (contention only lowers it).
   const Column* first_bf16 = nullptr;
