@@ -71,10 +71,10 @@ ABSL_FLAG(bool, fidelity, false,
           "only quantized vs bf16 fidelity: logits cosine and greedy agreement (where the bf16 "
           "top-1 margin > --fidelity_margin) over a random prompt and a teacher-forced bf16 "
           "greedy continuation, one row per --fidelity_variants");
-ABSL_FLAG(std::string, fidelity_variants, "int8,int4,int4_all,int4_head4",
+ABSL_FLAG(std::string, fidelity_variants, "int8,int4,int4_all,int4_head8",
           "--fidelity: forms to compare with bf16: bf16 (with --fidelity_reference), int8, int4 "
-          "(the product's: LM head and one layer in seven, the first ones, int8), int4_all "
-          "(every layer int4), int4_int8xN (the first N layers int8), int4_head4 (LM head int4), "
+          "(the product's: LM head int4, one layer in seven, the first ones, int8), int4_all "
+          "(every layer int4), int4_int8xN (the first N layers int8), int4_head8 (LM head int8), "
           "int4_head_bf16 (LM head packed bf16)");
 ABSL_FLAG(std::string, fidelity_reference, "",
           "--fidelity: the bf16 reference from this checkpoint instead (same config), e.g. one "
@@ -410,27 +410,34 @@ struct FidelityVariant {
 };
 
 // --fidelity_variants: bf16 (against --fidelity_reference), int8 (int8 head
-// unless --int8_lm_head=false), int4 (the product default: int8 head, the
+// unless --int8_lm_head=false), int4 (the product default: int4 head, the
 // first AutoInt4Int8Layers layers int8), int4_all (every layer int4),
-// int4_int8xN (the first N layers int8), int4_head4 (int4 head),
+// int4_int8xN (the first N layers int8), int4_head8 (int8 head),
 // int4_head_bf16 (packed bf16 head).
 absl::StatusOr<std::vector<FidelityVariant>> ParseFidelityVariants(const std::string& list) {
   using vlm::language::WeightDType;
-  const std::string mixed = ", 1 layer in 7 int8";
+  constexpr int kAuto = vlm::language::kAutoInt4Int8Layers;
   std::vector<FidelityVariant> out;
   for (absl::string_view v : absl::StrSplit(list, ',', absl::SkipEmpty())) {
     int layers = 0;
-    if (v == "bf16") out.push_back({"bf16", WeightDType::kBFloat16});
-    else if (v == "int8") out.push_back({"int8", WeightDType::kInt8, absl::GetFlag(FLAGS_int8_lm_head)});
-    else if (v == "int4") out.push_back({"int4 (head int8" + mixed + ")", WeightDType::kInt4, true});
-    else if (v == "int4_all") out.push_back({"int4 (head int8, every layer int4)", WeightDType::kInt4, true, false, 0});
-    else if (absl::ConsumePrefix(&v, "int4_int8x") && absl::SimpleAtoi(v, &layers) && layers >= 0) {
-      out.push_back({absl::StrCat("int4 (head int8, layers 0-", layers - 1, " int8)"),
-                     WeightDType::kInt4, true, false, layers});
+    if (v == "bf16") {
+      out.push_back({"bf16", WeightDType::kBFloat16});
+    } else if (v == "int8") {
+      out.push_back({"int8", WeightDType::kInt8, absl::GetFlag(FLAGS_int8_lm_head)});
+    } else if (v == "int4") {
+      out.push_back({"int4 (head int4, 1 layer in 7 int8)", WeightDType::kInt4, true, true, kAuto});
+    } else if (v == "int4_all") {
+      out.push_back({"int4 (head int4, every layer int4)", WeightDType::kInt4, true, true, 0});
+    } else if (absl::ConsumePrefix(&v, "int4_int8x") && absl::SimpleAtoi(v, &layers) && layers > 0) {
+      out.push_back({absl::StrCat("int4 (head int4, layers 0-", layers - 1, " int8)"),
+                     WeightDType::kInt4, true, true, layers});
+    } else if (v == "int4_head8") {
+      out.push_back({"int4 (head int8, 1 layer in 7 int8)", WeightDType::kInt4, true, false, kAuto});
+    } else if (v == "int4_head_bf16") {
+      out.push_back({"int4 (head bf16, 1 layer in 7 int8)", WeightDType::kInt4, false, false, kAuto});
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("unknown fidelity variant ", v));
     }
-    else if (v == "int4_head4") out.push_back({"int4 (head int4" + mixed + ")", WeightDType::kInt4, true, true});
-    else if (v == "int4_head_bf16") out.push_back({"int4 (head bf16" + mixed + ")", WeightDType::kInt4, false});
-    else return absl::InvalidArgumentError(absl::StrCat("unknown fidelity variant ", v));
   }
   return out;
 }

@@ -353,10 +353,6 @@ GenerateRequest PromptOfTokens(vlm::v1::Language::Stub& stub, int tokens, int ma
   return request;
 }
 
-// Bytes one decode step reads: decoder layers + final norm + LM head. With
-// `int8`, the seven projections of every layer as QuantizedWeight::bytes()
-// counts them (rows padded to a whole group of kInt8Group, an f32 scale per
-// row, an f16 ratio per group); with `int8_head` also the (tied) LM head.
 // /proc/cpuinfo's model name, "?" when unknown.
 std::string CpuModelName() {
   std::ifstream in("/proc/cpuinfo");
@@ -393,10 +389,9 @@ int Int4Int8LayersOf(absl::string_view extra) {
 // Weight bytes one decode step reads: the projections in `form` (int8: rows,
 // row scales and group ratios; int4: nibbles, row scales, group ratios and
 // zero points, with the first int8_layers layers in int8, -1: the service's
-// one in seven), the LM head in int8 when int8_head (the service's int8 and
-// int4 forms), everything else as stored.
+// one in seven), the LM head in the form's own precision (the service's: int8
+// for int8 layers, int4 for int4), everything else as stored.
 uint64_t DecodeWeightBytes(const std::string& dir, LayerForm form = LayerForm::kBf16,
-                           bool int8_head = false,
                            int int8_layers = vlm::language::kAutoInt4Int8Layers) {
   auto checkpoint = vlm::SafetensorsCheckpoint::Open(dir);
   if (!checkpoint.ok()) return 0;
@@ -426,8 +421,10 @@ uint64_t DecodeWeightBytes(const std::string& dir, LayerForm form = LayerForm::k
     auto info = (*checkpoint)->Info(name);
     if (!info.ok()) continue;
     const std::vector<int64_t>& shape = (*info)->shape;
-    const uint64_t as_stored =
-        int8_head && shape.size() == 2 ? int8_bytes(shape) : (*info)->nbytes();
+    const uint64_t as_stored = shape.size() != 2         ? (*info)->nbytes()
+                               : form == LayerForm::kInt8 ? int8_bytes(shape)
+                               : form == LayerForm::kInt4 ? int4_bytes(shape)
+                                                          : (*info)->nbytes();
     if (name == "lm_head.weight") {
       head = as_stored;
     } else if (absl::StrContains(name, "embed_tokens")) {
@@ -507,7 +504,7 @@ Column Measure(const std::string& binary, const std::string& dir, const std::str
     // The KV pool is address space until blocks are used, so at SERVING the
     // process should hold little beyond its weights (the budget: + 400 MiB).
     const LayerForm form = FormOf(extra);
-    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16, Int4Int8LayersOf(extra)) / 1048576.0;
+    const double weights = DecodeWeightBytes(dir, form, Int4Int8LayersOf(extra)) / 1048576.0;
     col.Add("weight bytes in this form (MiB)", absl::StrFormat("%.0f", weights));
     col.Add("RSS at SERVING - weight bytes (MiB)",
             absl::StrFormat("%.0f", Median(rss_serving) - weights));
@@ -892,7 +889,7 @@ int StartupTable(const std::string& binary, const std::string& dir) {
         absl::StrCat("--intra_op_threads=", absl::GetFlag(FLAGS_threads)), "--log_level=warning"};
     for (absl::string_view f : absl::StrSplit(extra, ',', absl::SkipEmpty())) base.emplace_back(f);
     const LayerForm form = FormOf(extra);
-    const double weights = DecodeWeightBytes(dir, form, form != LayerForm::kBf16, Int4Int8LayersOf(extra)) / 1048576.0;
+    const double weights = DecodeWeightBytes(dir, form, Int4Int8LayersOf(extra)) / 1048576.0;
     for (const bool packed : {false, true}) {
       Column col;
       col.name = absl::StrCat(name, packed ? ", packed file" : ", old (--packed_cache_dir=)");
@@ -1015,10 +1012,10 @@ int main(int argc, char** argv) {
     servers.emplace_back();
     columns.push_back(Measure(binary, dir, std::string(extra), *config, &bandwidth,
                               paired ? &servers.back() : nullptr));
-    // The service's int8 and int4 forms put the LM head in int8
-    // (DecoderOptions::int8_lm_head).
+    // The service's int8 and int4 forms put the LM head in int8 and int4
+    // (DecoderOptions::int8_lm_head, int4_lm_head).
     const LayerForm form = FormOf(extra);
-    columns.back().bytes = DecodeWeightBytes(dir, form, form != LayerForm::kBf16, Int4Int8LayersOf(extra));
+    columns.back().bytes = DecodeWeightBytes(dir, form, Int4Int8LayersOf(extra));
   }
   // The bound uses the best bandwidth seen in this run (contention only lowers it).
   const Column* first_bf16 = nullptr;
