@@ -541,8 +541,9 @@ TEST(VisionServiceLimitsTest, PixelLimitFollowsTheMessageSize) {
     EXPECT_NE(log.find("--max_pixels_limit=1048576"), std::string::npos) << log;
     EXPECT_NE(log.find("--max_message_mb=1"), std::string::npos) << log;
   }
-  // The largest limit that fits: 2560 patches of 256 pixels.
-  VisionProcess p({"--max_message_mb=1", "--max_pixels_limit=655360"});
+  // The largest limit that fits: 2560 patches of 256 pixels; a default above
+  // it is capped to it.
+  VisionProcess p({"--max_message_mb=1", "--max_pixels_limit=655360", "--default_max_pixels=786432"});
   ASSERT_TRUE(p.Start());
   const std::string big = Png(Pixels(1200, 900, 5), 1200, 900);  // 1.08 MP
   for (int64_t max_pixels : {int64_t{0}, int64_t{1} << 40}) {
