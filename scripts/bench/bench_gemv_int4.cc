@@ -4,7 +4,8 @@
 // Decode (batches ≤ 8): one decode step's weight set (--layers layers of
 // q|k|v, o, gate|up, down as the decoder concatenates them, + the LM head)
 // through GemvInt4 on each path this CPU runs (avx512vnni, avx2) and through
-// GemvInt8, with the LM head in int8 (the service's int4 form) and in int4,
+// GemvInt8, with the LM head in int8 and in int4 (the service's int4 form,
+// whose leading layers are int8 as well: one in seven),
 // next to each one's read-bandwidth bound: its own weight bytes (int4:
 // nibbles + row scales + group ratios + zero points; int8: rows + scales)
 // over the best read bandwidth of the run (measured every repetition over a

@@ -27,7 +27,8 @@
 // Each configuration's bound uses the bytes its decode step reads (for
 // --weight_dtype=int8: int8 rows, row scales and group ratios of the
 // projections and the LM head; --weight_dtype=int4: nibbles, row scales, group
-// ratios and zero points of the projections, the LM head in int8). --cliff "200:260:4" adds prefill time
+// ratios and zero points of the projections, int8 for the leading
+// --int4_int8_layers layers, the LM head in int4). --cliff "200:260:4" adds prefill time
 // per token for every 4th prompt length in 200..260 and the largest ratio
 // between neighbouring lengths (a length cliff shows up as a ratio >> 1).
 // The prefix cache is off in every configuration (repeated prompts must
