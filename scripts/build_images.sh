@@ -36,9 +36,9 @@ MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 SECURITY_MIRROR="${SECURITY_MIRROR:-${MIRROR%/debian}/debian-security}"
 export BUILDAH_ISOLATION="${BUILDAH_ISOLATION:-chroot}"
 CCACHE_HOST_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
-# Inside the build stage, which compiles as root, ccache keeps its default
-# directory: the host cache is mounted there.
-BUILDER_CCACHE_DIR=/root/.cache/ccache
+# The build stage's ccache directory (deploy/Dockerfile sets CCACHE_DIR to it):
+# the host cache is mounted there.
+BUILDER_CCACHE_DIR=/var/cache/vlm-build/ccache
 TARGETS=(vision language gateway)
 BASE=localhost/vlm-base:bookworm
 SLIM=localhost/vlm-base:bookworm-slim
