@@ -396,9 +396,10 @@ uint64_t DecodeWeightBytes(const std::string& dir, LayerForm form = LayerForm::k
                            int int8_layers = vlm::language::kAutoInt4Int8Layers) {
   auto checkpoint = vlm::SafetensorsCheckpoint::Open(dir);
   if (!checkpoint.ok()) return 0;
-  if (int8_layers == vlm::language::kAutoInt4Int8Layers) {
+  {
     auto config = vlm::LoadModelConfig(dir);
-    int8_layers = config.ok() ? vlm::language::AutoInt4Int8Layers(config->text.num_hidden_layers) : 0;
+    int8_layers =
+        config.ok() ? vlm::language::Int4Int8Layers(int8_layers, config->text.num_hidden_layers) : 0;
   }
   // "...layers.<n>.": the decoder layer of a tensor name.
   auto layer_of = [](const std::string& name) {

@@ -49,7 +49,7 @@ ABSL_FLAG(std::string, matmul, "auto",
           "(kernels where available); f32 compute always uses at::linear");
 ABSL_FLAG(std::string, weight_dtype, "bf16",
           "decoder projection weights: bf16, int8 (one scale per group of 32) or int4 (4-bit, "
-          "one scale and zero point per group of 32; LM head and the first "
+          "one scale and zero point per group of 32; LM head int4, the first "
           "--int4_int8_layers layers int8), quantized at layer materialization or pack time; "
           "needs --compute_dtype bf16; ignores --matmul");
 ABSL_FLAG(int, int4_int8_layers, vlm::language::kAutoInt4Int8Layers,

@@ -313,12 +313,9 @@ absl::StatusOr<LayerStoreOptions> Decoder::ChooseProjectionForm(const std::strin
           "int4_int8_layers must be >= 0 (or -1: one layer in seven), not ",
           options.int4_int8_layers));
     }
-    const int64_t layers = config_.text.num_hidden_layers;
     layer_options.form = ProjectionForm::kInt4;
-    layer_options.int8_layers = static_cast<int>(std::min<int64_t>(
-        options.int4_int8_layers == kAutoInt4Int8Layers ? AutoInt4Int8Layers(layers)
-                                                        : options.int4_int8_layers,
-        layers));
+    layer_options.int8_layers =
+        Int4Int8Layers(options.int4_int8_layers, config_.text.num_hidden_layers);
     if (layer_options.int8_layers > 0) {
       std::string missing;
       if (!kernels::GemvInt8PathSupported(kernels::DefaultGemvInt8Path(), &missing)) {

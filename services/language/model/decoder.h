@@ -96,6 +96,12 @@ enum class WeightDType { kBFloat16, kInt8, kInt4 };
 inline constexpr int kAutoInt4Int8Layers = -1;
 // The int8 layer count kAutoInt4Int8Layers means for a model of `layers`.
 inline int AutoInt4Int8Layers(int64_t layers) { return static_cast<int>((layers + 6) / 7); }
+// The int8 layers an int4 model of `layers` gets for int4_int8_layers
+// `requested` (kAutoInt4Int8Layers or a count, capped at `layers`).
+inline int Int4Int8Layers(int requested, int64_t layers) {
+  const int64_t n = requested == kAutoInt4Int8Layers ? AutoInt4Int8Layers(layers) : requested;
+  return static_cast<int>(n < layers ? n : layers);
+}
 const char* WeightDTypeName(WeightDType dtype);  // "bf16", "int8", "int4"
 // "bf16" (or "bfloat16"), "int8", "int4"; INVALID_ARGUMENT names the accepted values.
 absl::StatusOr<WeightDType> ParseWeightDType(std::string_view value);
