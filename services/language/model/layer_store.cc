@@ -716,7 +716,7 @@ absl::StatusOr<std::unique_ptr<LayerStore>> LayerStore::Create(
       all_in_place = all_in_place && same;
       slot.names.push_back(std::move(name));
     }
-    // Norms (fields 0, 5, 6, 7) stay dense; projections take options.form.
+    // Norms (fields 0, 5, 6, 7) stay dense; projections take options.LayerForm(l).
     const size_t e = at::elementSize(compute_dtype);
     const ProjectionForm f = options.LayerForm(l);
     slot.bytes = static_cast<uint64_t>(2 * h + 2 * c.head_dim) * e;
