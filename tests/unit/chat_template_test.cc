@@ -105,6 +105,15 @@ TEST(ChatTemplateTest, RejectsWhatTheApiDoesNotAccept) {
               HasSubstr("ends with an assistant message"));
   EXPECT_THAT(RenderError({User({ChatPart::Text("look: <|image_pad|>")})}).message(),
               HasSubstr("control token <|image_pad|>"));
+  // Two parts, each harmless alone, meeting as a control token (found by
+  // chat_template_fuzzer), also next to a real image.
+  EXPECT_THAT(RenderError({User({ChatPart::Text("a <|vision_"), ChatPart::Text("start|> b")})})
+                  .message(),
+              HasSubstr("together form the control token <|vision_start|>"));
+  EXPECT_THAT(RenderError({User({ChatPart::Image(kGrid), ChatPart::Text("<|image_"),
+                                 ChatPart::Text("pad|>")})})
+                  .message(),
+              HasSubstr("together form the control token <|image_pad|>"));
   EXPECT_THAT(RenderError({User({ChatPart::Text("ok"), ChatPart::Text("bad \xFF")})}).message(),
               HasSubstr("messages[0].content[1].text is not valid UTF-8: ill-formed sequence at "
                         "byte offset 4"));

@@ -227,6 +227,21 @@ absl::StatusOr<std::string> RenderChatTemplate(absl::Span<const ChatMessage> mes
     }
     out += "<|im_start|>assistant\n";
   }
+  // Each piece was checked alone, but adjacent pieces (two text parts, text
+  // and a tool call) can join into a control token ("<|vision_" + "start|>"):
+  // the rendered text must hold exactly the image blocks' own.
+  for (const char* token : kVisionTokens) {
+    size_t n = 0;
+    for (size_t pos = out.find(token); pos != std::string::npos; pos = out.find(token, pos + 1)) {
+      ++n;
+    }
+    const bool image_token = absl::string_view(kImageBlock).find(token) != absl::string_view::npos;
+    if (n != (image_token ? static_cast<size_t>(image_count) : 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the messages' text parts together form the control token ", token,
+          " where they meet; send images as image parts"));
+    }
+  }
   return out;
 }
 
